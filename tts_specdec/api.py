@@ -1,0 +1,117 @@
+"""`SpeculativeDecoder`: the public entry point wrapping a user's `TextToSemantic`."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ._upstream import TextToSemantic
+from .beam import beam_search_loop
+from .decoder import Decoder
+from .inputs import check_common, check_float, check_gamma, check_int, eval_mode, prepare_source
+from .results import Decoded, DecodeStats
+from .sampling import SamplingConfig
+from .speculative import sample_loop
+
+
+class SpeculativeDecoder:
+    """Fast exact decoding for a `TextToSemantic`: target = full decoder, draft = its early-exit head."""
+
+    def __init__(self, model: TextToSemantic, *, source_type: str = "text", target_type: str = "speech") -> None:
+        for name, value in (("source_type", source_type), ("target_type", target_type)):
+            if value not in ("text", "speech"):
+                raise ValueError(f"{name} must be 'text' or 'speech', got {value!r}")
+        self.decoder = Decoder(model, source_type, target_type)
+
+    @property
+    def model(self) -> TextToSemantic:
+        return self.decoder.model
+
+    def sample(
+        self,
+        source: Tensor | Sequence[str],
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        cond_scale: float = 1.0,
+        max_length: int = 2048,
+        generator: torch.Generator | None = None,
+        gamma: int = 0,
+    ) -> Decoded:
+        """Sample (temperature 0: greedy). gamma > 0 drafts with the early-exit head, losslessly."""
+        max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
+        gamma = check_gamma(gamma, self.decoder.exit_layer)
+        temperature = check_float("temperature", temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None:
+            top_k = check_int("top_k", top_k, 1)
+        if top_p is not None:
+            top_p = check_float("top_p", top_p)
+            if not 0 < top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        cfg = SamplingConfig(temperature, top_k, top_p)
+        stats = self._stats("speculative" if gamma else "plain", gamma)
+        with eval_mode(self.model):
+            source = prepare_source(self.model, source, self.decoder.source_type)
+            start = time.perf_counter()
+            tokens = sample_loop(
+                self.decoder, source, cfg, gamma=gamma, cond_scale=cond_scale,
+                max_length=max_length, generator=generator, stats=stats,
+            )
+            stats.wall_time = time.perf_counter() - start
+        stats.layer_evals = list(self.decoder.layer_evals)
+        return Decoded(tokens, None, stats)
+
+    def beam_search(
+        self,
+        source: Tensor | Sequence[str],
+        *,
+        beam_size: int = 4,
+        length_penalty: float = 1.0,
+        max_length: int = 2048,
+        cond_scale: float = 1.0,
+        gamma: int = 0,
+        draft_width: int | None = None,
+    ) -> Decoded:
+        """Exact beam search over target log-probs; gamma > 0 speeds it up without changing the result."""
+        max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
+        beam_size = check_int("beam_size", beam_size, 1)
+        length_penalty = check_float("length_penalty", length_penalty)
+        gamma = check_gamma(gamma, self.decoder.exit_layer)
+        if draft_width is not None:
+            draft_width = check_int("draft_width", draft_width, beam_size)
+        stats = self._stats("speculative-beam" if gamma else "beam", gamma)
+        with eval_mode(self.model):
+            source = prepare_source(self.model, source, self.decoder.source_type)
+            start = time.perf_counter()
+            if gamma:
+                from .spec_beam import spec_beam_search_loop
+
+                tokens, scores = spec_beam_search_loop(
+                    self.decoder, source, beam_size=beam_size, length_penalty=length_penalty,
+                    max_length=max_length, cond_scale=cond_scale, gamma=gamma,
+                    draft_width=draft_width or beam_size, stats=stats,
+                )
+            else:
+                tokens, scores, steps = beam_search_loop(
+                    self.decoder, source, beam_size=beam_size, length_penalty=length_penalty,
+                    max_length=max_length, cond_scale=cond_scale,
+                )
+                stats.steps = stats.target_passes = steps
+            stats.wall_time = time.perf_counter() - start
+        eos = self.decoder.eos_id
+        tokens = [t[:-1] if eos is not None and t.numel() and int(t[-1]) == eos else t for t in tokens]
+        stats.generated_tokens = sum(t.numel() for t in tokens)
+        stats.layer_evals = list(self.decoder.layer_evals)
+        return Decoded(tokens, scores, stats)
+
+    def _stats(self, mode: str, gamma: int) -> DecodeStats:
+        self.decoder.layer_evals = [0] * self.decoder.depth
+        return DecodeStats(mode=mode, gamma=gamma, exit_layer=self.decoder.exit_layer if gamma else None)

@@ -1,0 +1,101 @@
+"""Self-attention KV cache: preallocated K/V for every decoder layer, committed length per row.
+
+Rows are independent sequences (batch items, beams, CFG halves). Positions beyond a row's committed
+length may hold stale K/V from rejected drafts; the decoder never attends past a query's own position,
+so rollback is only a length change (`crop`) and the stale slots are overwritten by the next write.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """K/V of shape (layers, rows, kv_heads, capacity, dim_head); only the verbs below mutate it."""
+
+    def __init__(
+        self,
+        layers: int,
+        rows: int,
+        kv_heads: int,
+        dim_head: int,
+        capacity: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (layers, rows, kv_heads, capacity, dim_head)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.high = 0  # one past the highest position ever written: bounds reorder copies
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    # ---- verbs -------------------------------------------------------------------------------
+
+    def write(self, layer: int, k: Tensor, v: Tensor, start: int | Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v (rows, kv_heads, n, dim_head) at positions start.. of each row.
+
+        `start` is an int when every row writes at the same position (the common, fast case) or a
+        LongTensor (rows,) for ragged rows. Returns this layer's K/V up to the furthest written
+        position, ready for attention.
+        """
+        n = k.shape[2]
+        if isinstance(start, int):
+            end = start + n
+            self.k[layer, :, :, start:end] = k
+            self.v[layer, :, :, start:end] = v
+        else:
+            end = int(start.max()) + n
+            pos = start[:, None] + torch.arange(n, device=start.device)  # (rows, n)
+            row = torch.arange(k.shape[0], device=start.device)[:, None].expand_as(pos)
+            self.k[layer][row, :, pos] = k.transpose(1, 2)
+            self.v[layer][row, :, pos] = v.transpose(1, 2)
+        self.high = max(self.high, end)
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def crop(self, lengths: Tensor) -> None:
+        """Set each row's committed length (rollback or commit); no tensor is rebuilt."""
+        self.lengths = lengths.to(self.lengths)
+
+    def reorder(self, index: Tensor) -> None:
+        """Rows become `index` of the old rows (beam reordering, dropping finished rows)."""
+        high = self.high
+        if index.numel() == self.rows:
+            self.k[:, :, :, :high] = self.k[:, index, :, :high]
+            self.v[:, :, :, :high] = self.v[:, index, :, :high]
+        else:
+            self.k = self._gathered(self.k, index, high)
+            self.v = self._gathered(self.v, index, high)
+        self.lengths = self.lengths[index]
+
+    def repeat(self, n: int) -> None:
+        """Each row becomes n consecutive copies of itself (one per beam)."""
+        self.reorder(torch.arange(self.rows, device=self.lengths.device).repeat_interleave(n))
+
+    def grow(self, capacity: int) -> None:
+        """Make room for at least `capacity` positions (keeps contents)."""
+        if capacity <= self.capacity:
+            return
+        capacity = max(capacity, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
+            new[:, :, :, : self.high] = old[:, :, :, : self.high]
+            setattr(self, name, new)
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _gathered(t: Tensor, index: Tensor, high: int) -> Tensor:
+        out = t.new_zeros(t.shape[0], index.numel(), *t.shape[2:])
+        out[:, :, :, :high] = t[:, index, :, :high]
+        return out

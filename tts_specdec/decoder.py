@@ -1,0 +1,208 @@
+"""Incremental execution of a `TextToSemantic`'s own submodules. No sampling, no search.
+
+`encode` runs the source once and precomputes every decoder layer's cross-attention K/V.
+`run` pushes new tokens (or exit hidden states) through any contiguous range of decoder layers,
+writing self-attention K/V into a `KVCache` at explicit positions. `target_logits` and `draft_logits`
+are the model's two heads. Together they equal `TextToSemantic.forward` position for position.
+
+Classifier-free guidance doubles the rows: row 2i is sequence i with its source, row 2i+1 the same
+sequence with the source masked out (spear-tts's null pass). Search loops see N sequences; they
+map sequence indices to rows with `Decoder.rows` and mix the two logits with `sampling.cfg_mix`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._upstream import TextToSemantic, _spear
+from .cache import KVCache
+
+
+@dataclass
+class Encoded:
+    """Source side of a decode: cross-attention K/V of every decoder layer, one entry per row."""
+
+    keys: list[Tensor]  # per layer: (rows, heads, 1 + source_len, dim_head), null key first
+    values: list[Tensor]
+    mask: Tensor  # (rows, 1, 1, 1 + source_len) bool, True = attend
+    guided: bool  # rows come in (cond, null) pairs
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
+    def select(self, rows: Tensor) -> "Encoded":
+        pick = lambda ts: [t.index_select(0, rows) for t in ts]  # noqa: E731
+        return Encoded(pick(self.keys), pick(self.values), self.mask.index_select(0, rows), self.guided)
+
+
+def _rms(x: Tensor, norm: torch.nn.Module) -> Tensor:
+    # spear-tts RMSNorm, op for op, so float64 results match to the last bits
+    return F.normalize(x, dim=-1) * norm.scale * norm.gamma
+
+
+class Decoder:
+    """Runs `model`'s decoder for `source_type` -> `target_type` one or several positions at a time."""
+
+    def __init__(self, model: TextToSemantic, source_type: str = "text", target_type: str = "speech") -> None:
+        if not isinstance(model, TextToSemantic):
+            raise TypeError(f"model must be a spear_tts_pytorch.TextToSemantic, got {type(model).__name__}")
+        self.model = model
+        self.source_type = source_type
+        self.target_type = target_type
+        tt = model.target_transformer
+        self.layers = tt.layers
+        self.depth = len(tt.layers)
+        self_attn = tt.layers[0][0]
+        self.heads = self_attn.heads
+        self.kv_heads = self_attn.kv_heads
+        self.dim_head = self_attn.to_q[0].weight.shape[0] // self.heads
+        self.rotary = self_attn.rotary_emb
+        has_exit = model.target_has_early_exit and (source_type, target_type) == ("text", "speech")
+        self.exit_layer: int | None = model.early_exit_layer if has_exit else None
+        self.eos_id: int | None = model.eos_id[target_type] if model.autoset_eos_id[target_type] else None
+        self.vocab_size = model.to_logits[target_type].weight.shape[0]
+        self.layer_evals = [0] * self.depth  # token-layer evaluations, per layer (rows x tokens)
+        self._rope: tuple[Tensor, Tensor] | None = None
+
+    # ---- properties of the wrapped model -----------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.start_token[self.target_type].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.start_token[self.target_type].device
+
+    # ---- source ----------------------------------------------------------------------------
+
+    def encode(self, source: Tensor, guided: bool = False) -> Encoded:
+        """Encode padded source ids (batch, n) exactly as `TextToSemantic.generate` does."""
+        m = self.model
+        pad = m.pad_id[self.source_type]
+        if m.autoset_eos_id[self.source_type]:
+            source = _spear.set_eos_id(source, m.eos_id[self.source_type], pad_id=pad)
+        mask = source != pad
+        states = m.source_transformer(m.token_emb[self.source_type](source), mask=mask)
+        b, s = source.shape
+        keys, values = [], []
+        for _, cross, _ in self.layers:
+            kv = F.linear(states, cross.to_kv[0].weight).view(b, s, 2, cross.heads, -1).permute(2, 0, 3, 1, 4)
+            null_k, null_v = (t.expand(b, -1, -1, -1) for t in cross.null_kv)
+            keys.append(torch.cat((null_k, kv[0]), dim=2))
+            values.append(torch.cat((null_v, kv[1]), dim=2))
+        mask = F.pad(mask, (1, 0), value=True)
+        if guided:
+            null_mask = F.pad(torch.zeros_like(mask[:, 1:]), (1, 0), value=True)
+            mask = torch.stack((mask, null_mask), dim=1).flatten(0, 1)
+            keys = [k.repeat_interleave(2, dim=0) for k in keys]
+            values = [v.repeat_interleave(2, dim=0) for v in values]
+        return Encoded(keys, values, mask[:, None, None, :], guided)
+
+    # ---- rows and cache ----------------------------------------------------------------------
+
+    @staticmethod
+    def rows(index: Tensor, guided: bool) -> Tensor:
+        """Sequence indices -> cache/context row indices."""
+        if not guided:
+            return index
+        return torch.stack((2 * index, 2 * index + 1), dim=1).flatten()
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        self._ensure_rope(capacity)
+        return KVCache(
+            self.depth, rows, self.kv_heads, self.dim_head, capacity, dtype=self.dtype, device=self.device
+        )
+
+    def _ensure_rope(self, capacity: int) -> None:
+        if self._rope is not None and self._rope[0].shape[0] >= capacity and self._rope[0].dtype == self.dtype:
+            return
+        # the model's own rotary module computes the angles, so positions match it bit for bit
+        pos = torch.arange(capacity, device=self.device, dtype=self.dtype)
+        freqs = self.rotary(pos, seq_len=capacity)
+        sign = torch.tensor([-1.0, 1.0], dtype=freqs.dtype, device=freqs.device).repeat(freqs.shape[-1] // 2)
+        self._rope = (freqs.cos(), freqs.sin() * sign)  # sign folds rotate_half's negation into sin
+
+    def _rotate(self, t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # t * cos + rotate_half(t) * sin, rotate_half(x)[2i, 2i+1] = (-x[2i+1], x[2i])
+        swapped = t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return t * cos + swapped * sin
+
+    # ---- target side -------------------------------------------------------------------------
+
+    def embed(self, tokens: Tensor, guided: bool = False) -> Tensor:
+        """Token ids (sequences, n) -> decoder inputs (rows, n, dim)."""
+        x = self.model.token_emb[self.target_type](tokens)
+        return x.repeat_interleave(2, dim=0) if guided else x
+
+    def start(self, rows: int) -> Tensor:
+        """The start token's input, (rows, 1, dim)."""
+        return self.model.start_token[self.target_type].expand(rows, 1, -1)
+
+    def run(
+        self,
+        x: Tensor,
+        start: int | Tensor,
+        layers: range,
+        enc: Encoded,
+        cache: KVCache,
+        attn_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Run decoder `layers` on x (rows, n, dim) placed at positions start..start+n-1 of each row.
+
+        Each query attends to its own row's cached keys at positions <= its own (causal), unless
+        `attn_mask` (rows, 1, n, keys) is given. Writes K/V into `cache`; returns hidden states.
+        """
+        rows, n = x.shape[:2]
+        cos_t, sin_t = self._rope
+        if isinstance(start, int):
+            cos, sin = cos_t[start : start + n], sin_t[start : start + n]
+            if attn_mask is None and n > 1:
+                keys = torch.arange(start + n, device=x.device)
+                attn_mask = keys <= start + torch.arange(n, device=x.device)[:, None]
+        else:
+            pos = start[:, None] + torch.arange(n, device=x.device)  # (rows, n)
+            cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]
+            if attn_mask is None:
+                keys = torch.arange(int(start.max()) + n, device=x.device)
+                attn_mask = (keys <= pos[..., None])[:, None]
+        h_, d, kvh = self.heads, self.dim_head, self.kv_heads
+        for i in layers:
+            self_attn, cross, ff = self.layers[i]
+            # causal self-attention over the row's cache
+            h = _rms(x, self_attn.norm)
+            q = F.linear(h, self_attn.to_q[0].weight).view(rows, n, h_, d).transpose(1, 2)
+            kv = F.linear(h, self_attn.to_kv[0].weight).view(rows, n, 2, kvh, d).permute(2, 0, 3, 1, 4)
+            q = self._rotate(q, cos, sin)
+            keys, values = cache.write(i, self._rotate(kv[0], cos, sin), kv[1], start)
+            if kvh != h_:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
+                keys, values = keys.repeat(1, h_ // kvh, 1, 1), values.repeat(1, h_ // kvh, 1, 1)
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+            x = x + F.linear(a.transpose(1, 2).reshape(rows, n, h_ * d), self_attn.to_out.weight)
+            # cross-attention over the precomputed source K/V
+            h = _rms(x, cross.norm)
+            q = F.linear(h, cross.to_q[0].weight).view(rows, n, cross.heads, d).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask)
+            x = x + F.linear(a.transpose(1, 2).reshape(rows, n, cross.heads * d), cross.to_out.weight)
+            # feed-forward (RMSNorm, Linear, GEGLU, Dropout, Linear)
+            h = F.linear(_rms(x, ff[0]), ff[1].weight, ff[1].bias)
+            h, gate = h.chunk(2, dim=-1)
+            x = x + F.linear(F.gelu(gate) * h, ff[4].weight, ff[4].bias)
+            self.layer_evals[i] += rows * n
+        return x
+
+    def target_logits(self, h: Tensor) -> Tensor:
+        """Final norm + tied output projection on the last layer's hidden state."""
+        tt = self.model.target_transformer
+        return F.linear(_rms(h, tt.final_norm), self.model.to_logits[self.target_type].weight)
+
+    def draft_logits(self, h: Tensor) -> Tensor:
+        """The early-exit head on the exit layer's hidden state."""
+        if self.exit_layer is None:
+            raise ValueError("this model has no early-exit head (target_early_exit_layer is None)")
+        return self.model.to_early_exit_semantic_logits(h)

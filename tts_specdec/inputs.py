@@ -1,0 +1,97 @@
+"""Argument checks: bad input fails early with a ValueError/TypeError that names the argument."""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from ._upstream import TextToSemantic
+
+
+def prepare_source(model: TextToSemantic, source: Tensor | Sequence[str], source_type: str = "text") -> Tensor:
+    """Strings or padded ids -> a checked LongTensor (batch, n) on the model's device."""
+    if isinstance(source, str):
+        raise TypeError("source must be a list of strings or a LongTensor (batch, n), not a single str")
+    if isinstance(source, (list, tuple)):
+        if not source or not all(isinstance(s, str) for s in source):
+            raise TypeError("source must be a non-empty list of strings or a LongTensor (batch, n)")
+        if model.tokenizer_encode is None:
+            raise ValueError("source is a list of strings but the model has no tokenizer (tokenizer_encode)")
+        for i, text in enumerate(source):
+            if not text.strip():
+                raise ValueError(f"source[{i}] is empty")
+        source = model.tokenizer_encode(list(source))
+    if not isinstance(source, Tensor):
+        raise TypeError(f"source must be a list of strings or a LongTensor, got {type(source).__name__}")
+    if source_type == "speech" and source.is_floating_point():
+        if model.wav2vec is None:
+            raise ValueError("source is a waveform but the model has no wav2vec to turn it into ids")
+        source = model.wav2vec(source.to(model.device))
+    if source.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"source must hold integer token ids, got dtype {source.dtype}")
+    if source.ndim != 2 or source.shape[0] == 0 or source.shape[1] == 0:
+        raise ValueError(f"source must have shape (batch, n) with batch, n >= 1, got {tuple(source.shape)}")
+    source = source.long().to(model.device)
+    pad = model.pad_id[source_type]
+    vocab = model.num_text_token_ids if source_type == "text" else model.num_semantic_token_ids
+    real = source != pad
+    bad = real & ((source < 0) | (source >= vocab))
+    if bad.any():
+        row, col = bad.nonzero()[0].tolist()
+        raise ValueError(f"source[{row}, {col}] = {int(source[row, col])} is outside the {source_type} vocabulary [0, {vocab})")
+    empty = ~real.any(dim=1)
+    if empty.any():
+        raise ValueError(f"source row {int(empty.nonzero()[0])} is empty (only padding id {pad})")
+    if (real[:, 1:] & ~real[:, :-1]).any():
+        raise ValueError(f"source rows must be right-padded with {pad}; found a token after padding")
+    return source
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def check_common(model: TextToSemantic, *, max_length: object, cond_scale: object) -> tuple[int, float]:
+    max_length = check_int("max_length", max_length, 1)
+    cond_scale = check_float("cond_scale", cond_scale)
+    if cond_scale < 1:
+        raise ValueError(f"cond_scale must be >= 1, got {cond_scale}")
+    if cond_scale > 1 and model.cond_drop_prob == 0:
+        raise ValueError("cond_scale > 1 needs a model trained with cond_drop_prob > 0 (classifier-free guidance)")
+    return max_length, cond_scale
+
+
+def check_gamma(gamma: object, exit_layer: int | None) -> int:
+    gamma = check_int("gamma", gamma, 0)
+    if gamma > 0 and exit_layer is None:
+        raise ValueError(
+            "gamma > 0 needs a draft: the model has no early-exit head (set target_early_exit_layer "
+            "when building TextToSemantic), or the direction is not text -> speech"
+        )
+    return gamma
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Decode in eval mode and put the model back as it was."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)

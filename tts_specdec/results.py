@@ -1,0 +1,92 @@
+"""Result and statistics dataclasses shared by every decoding mode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one decode call. A 'target pass' runs the layers above the exit (or all layers)."""
+
+    mode: str = ""
+    steps: int = 0  # plain: decoding steps; speculative: cycles
+    target_passes: int = 0
+    draft_passes: int = 0
+    generated_tokens: int = 0
+    wall_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    gamma: int = 0
+    exit_layer: int | None = None
+    layer_evals: list[int] = field(default_factory=list)  # token-layer evaluations per decoder layer
+    # speculative sampling, counted per row and cycle
+    drafted: int = 0
+    accepted: int = 0
+    rejections: int = 0  # row-cycles that stopped at a rejected draft
+    accepted_hist: list[int] = field(default_factory=list)  # [k] = row-cycles that kept k drafts
+    # speculative beam search: beam steps committed per target pass
+    committed_hist: list[int] = field(default_factory=list)  # [k] = cycles that committed k steps
+
+    @property
+    def cycles(self) -> int:
+        return self.steps
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        """Sampling: mean tokens a row emits per target pass (accepted drafts + 1)."""
+        row_cycles = sum(self.accepted_hist)
+        if row_cycles:
+            return (self.accepted + row_cycles) / row_cycles
+        if self.committed_hist:
+            return self.steps_per_target_pass
+        return 1.0
+
+    @property
+    def accepted_per_pass(self) -> float:
+        """Mean drafts accepted per row and target pass (excludes the correction/bonus token)."""
+        row_cycles = sum(self.accepted_hist)
+        return self.accepted / row_cycles if row_cycles else 0.0
+
+    @property
+    def steps_per_target_pass(self) -> float:
+        """Beam search: mean beam steps committed per target pass."""
+        if not self.committed_hist:
+            return 1.0
+        total = sum(k * n for k, n in enumerate(self.committed_hist))
+        return total / sum(self.committed_hist)
+
+    @property
+    def alpha(self) -> float:
+        """Estimated per-token acceptance rate: accepted drafts over drafts that were judged.
+
+        A cycle judges drafts until its first rejection, so the judged count is accepted + rejections
+        (the maximum-likelihood estimate under the i.i.d. acceptance model of Leviathan et al.).
+        """
+        judged = self.accepted + self.rejections
+        return self.accepted / judged if judged else 0.0
+
+    @property
+    def trunk_evals(self) -> int:
+        """Token-layer evaluations of layers 1..E (shared by draft and target)."""
+        return sum(self.layer_evals[: self.exit_layer or 0])
+
+    @property
+    def upper_evals(self) -> int:
+        """Token-layer evaluations of layers E+1..L."""
+        return sum(self.layer_evals[self.exit_layer or 0 :])
+
+
+@dataclass
+class Decoded:
+    """Output of a decode: one token sequence per source row, EOS and padding stripped."""
+
+    tokens: list[Tensor]
+    scores: list[float] | None
+    stats: DecodeStats

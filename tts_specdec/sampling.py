@@ -1,0 +1,111 @@
+"""Pure tensor functions: logit filtering, CFG mixing, and the speculative accept rule.
+
+Paper names: p = target distribution, q = draft distribution, gamma = drafted tokens per cycle.
+Temperature 0 is greedy and is represented by one-hot distributions, so the same accept rule
+accepts a draft token iff it is the target argmax and otherwise emits the target argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The filter applied identically to target and draft logits."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def cfg_mix(logits: Tensor, scale: float) -> Tensor:
+    """(2N, ..., V) logits in (cond, null) row pairs -> (N, ..., V), mixed as spear-tts mixes them."""
+    pairs = logits.unflatten(0, (-1, 2))
+    cond, null = pairs[:, 0], pairs[:, 1]
+    return null + (cond - null) * scale
+
+
+def filter_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+    """Temperature, then top-k, then top-p (nucleus) masking with -inf. Not used when greedy."""
+    logits = logits / cfg.temperature
+    if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
+        kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p is not None and cfg.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # drop a token once the mass before it already exceeds top_p (the first token always stays)
+        drop_sorted = F.pad(cum > cfg.top_p, (1, -1), value=False)
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def probabilities(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+    """The distribution tokens are drawn from: filtered softmax, or one-hot argmax when greedy."""
+    if cfg.greedy:
+        return F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(logits.dtype)
+    return filter_logits(logits, cfg).softmax(dim=-1)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row of probs (..., V) -> (...)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:
+    """norm(max(p - q, 0)): where to sample after a rejection. Falls back to p if p <= q everywhere."""
+    r = (p - q).clamp_min(0)
+    total = r.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+@dataclass
+class Acceptance:
+    accepted: Tensor  # (rows,) number of draft tokens kept, 0..gamma
+    next_token: Tensor  # (rows,) the token emitted after them (correction or bonus)
+
+
+def speculative_accept(
+    p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Generator | None = None
+) -> Acceptance:
+    """Leviathan et al. 2022, Algorithm 1, per row.
+
+    p: (rows, gamma + 1, V) target distributions at each drafted position and one past them.
+    q: (rows, gamma, V) draft distributions the drafts were sampled from. drafts: (rows, gamma).
+    Accept drafts[d] with probability min(1, p_d(x) / q_d(x)); at the first rejection draw from
+    norm(max(p_d - q_d, 0)); if all are accepted draw the bonus token from p_gamma.
+    """
+    rows, gamma = drafts.shape
+    if p.shape[:2] != (rows, gamma + 1) or q.shape[:2] != (rows, gamma):
+        raise ValueError(f"shapes disagree: p {tuple(p.shape)}, q {tuple(q.shape)}, drafts {tuple(drafts.shape)}")
+    px = p[:, :gamma].gather(-1, drafts[..., None])[..., 0]
+    qx = q.gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(rows, gamma, generator=generator, device=p.device, dtype=p.dtype)
+    # u < p/q written without division; q(x) > 0 because x was drawn from q
+    keep = u * qx < px
+    accepted = torch.cumprod(keep.long(), dim=1).sum(dim=1)
+    q_pad = F.pad(q, (0, 0, 0, 1))  # q is zero past the drafts: the bonus position samples from p itself
+    dist = residual(p[torch.arange(rows), accepted], q_pad[torch.arange(rows), accepted])
+    return Acceptance(accepted, draw(dist, generator))
+
+
+def greedy_accept(target_tokens: Tensor, drafts: Tensor) -> Acceptance:
+    """Temperature 0: keep drafts while they equal the target argmax, then emit the target argmax.
+
+    target_tokens: (rows, gamma + 1) argmax of p at each position; drafts: (rows, gamma).
+    """
+    gamma = drafts.shape[1]
+    match = drafts == target_tokens[:, :gamma]
+    accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
+    return Acceptance(accepted, target_tokens.gather(1, accepted[:, None])[:, 0])

@@ -1,0 +1,1 @@
+"""Speech side: corpus, units, vocoder, tokenizer, the shipped TextToSemantic and the pipeline."""
