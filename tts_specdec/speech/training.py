@@ -18,8 +18,8 @@ from .losses import distill_kl, head_agreement, head_logits, token_ce
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 3000
-    distill_steps: int = 600
+    steps: int = 2800
+    distill_steps: int = 500
     max_frames: int = 2400          # padded unit frames per batch
     lr: float = 1e-3
     distill_lr: float = 1e-3

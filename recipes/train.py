@@ -1,0 +1,104 @@
+"""Train the default model: k-means units on the corpus, then TextToSemantic with an early-exit head.
+
+    python recipes/make_corpus.py
+    python recipes/train.py                     # -> runs/default/{kmeans.joblib,pairs.pt,checkpoint/}
+    python recipes/train.py --ship              # also copy the checkpoint into tts_specdec/assets/
+
+Deterministic for a given --seed (2 CPU threads); each stage is cached in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+# Spinning OpenMP workers stall for seconds per op when another process shares the cores; passive
+# waiting keeps a step at ~1 s instead of 20 s on a busy 2-core machine. Must precede `import torch`.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from tts_specdec.speech.checkpoint import FILES, Checkpoint, save_checkpoint
+from tts_specdec.speech.dataset import PairedData, corpus_frames, extract_pairs
+from tts_specdec.speech.model import ModelConfig, build_model
+from tts_specdec.speech.tokenizer import CharTokenizer
+from tts_specdec.speech.training import TrainConfig, train
+from tts_specdec.speech.units import MelKMeans, fit_kmeans, save_kmeans
+
+ASSETS = Path(__file__).resolve().parents[1] / "tts_specdec" / "assets"
+
+
+def load_or_extract(path: Path, root: Path, tokenizer: CharTokenizer, extractor: MelKMeans) -> PairedData:
+    if path.exists():
+        return PairedData(**torch.load(path, weights_only=True))
+    data = extract_pairs(root, tokenizer, extractor)
+    torch.save(dataclasses.asdict(data), path)
+    return data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
+    parser.add_argument("--run", type=Path, default=Path("runs/default"))
+    parser.add_argument("--n-units", type=int, default=128)
+    parser.add_argument("--kmeans-utterances", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
+    parser.add_argument("--distill-steps", type=int, default=TrainConfig.distill_steps)
+    parser.add_argument("--max-frames", type=int, default=TrainConfig.max_frames)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--dim", type=int, default=ModelConfig.dim)
+    parser.add_argument("--target-depth", type=int, default=ModelConfig.target_depth)
+    parser.add_argument("--source-depth", type=int, default=ModelConfig.source_depth)
+    parser.add_argument("--early-exit-layer", type=int, default=ModelConfig.target_early_exit_layer)
+    parser.add_argument("--ff-mult", type=int, default=ModelConfig.ff_mult)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ship", action="store_true", help="copy the result into tts_specdec/assets")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    args.run.mkdir(parents=True, exist_ok=True)
+    tokenizer = CharTokenizer()
+
+    kmeans_path = args.run / "kmeans.joblib"
+    if not kmeans_path.exists():
+        frames = corpus_frames(args.corpus / "train", args.kmeans_utterances, seed=args.seed)
+        save_kmeans(fit_kmeans(frames, args.n_units, seed=args.seed), kmeans_path)
+    extractor = MelKMeans.from_joblib(kmeans_path)  # our own file, written just above
+    train_data = load_or_extract(args.run / "pairs_train.pt", args.corpus / "train", tokenizer, extractor)
+    heldout = load_or_extract(args.run / "pairs_heldout.pt", args.corpus / "heldout", tokenizer, extractor)
+
+    config = ModelConfig(n_units=extractor.codebook_size, num_text_token_ids=tokenizer.num_text_token_ids,
+                         dim=args.dim, source_depth=args.source_depth, target_depth=args.target_depth,
+                         target_early_exit_layer=args.early_exit_layer, ff_mult=args.ff_mult)
+    train_config = TrainConfig(steps=args.steps, distill_steps=args.distill_steps, max_frames=args.max_frames,
+                               lr=args.lr, seed=args.seed, cond_drop_prob=config.cond_drop_prob)
+    model = build_model(config, tokenizer_encode=tokenizer)
+
+    def snapshot(step: int, stats: dict) -> None:
+        meta = {"step": step, "diagnostics": stats}
+        save_checkpoint(args.run / "latest", Checkpoint(model, config, tokenizer, extractor.centroids, meta=meta))
+
+    started = time.time()
+    result = train(model, train_data, train_config, validation=heldout, on_checkpoint=snapshot)
+    meta = {"train": dataclasses.asdict(train_config), "result": dataclasses.asdict(result),
+            "corpus": str(args.corpus), "train_utterances": len(train_data),
+            "train_minutes": round((time.time() - started) / 60, 1), "threads": args.threads}
+    out = save_checkpoint(args.run / "checkpoint",
+                          Checkpoint(model, config, tokenizer, extractor.centroids, meta=meta))
+    print(json.dumps(meta, indent=2))
+    if args.ship:
+        ASSETS.mkdir(exist_ok=True)
+        for name in FILES:
+            shutil.copy(out / name, ASSETS / name)
+        print(f"shipped to {ASSETS}")
+
+
+if __name__ == "__main__":
+    main()
