@@ -113,5 +113,6 @@ class SpeculativeDecoder:
         return Decoded(tokens, scores, stats)
 
     def _stats(self, mode: str, gamma: int) -> DecodeStats:
+        self.decoder.begin()
         self.decoder.layer_evals = [0] * self.decoder.depth
         return DecodeStats(mode=mode, gamma=gamma, exit_layer=self.decoder.exit_layer if gamma else None)

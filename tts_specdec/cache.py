@@ -70,8 +70,12 @@ class KVCache:
         """Rows become `index` of the old rows (beam reordering, dropping finished rows)."""
         high = self.high
         if index.numel() == self.rows:
-            self.k[:, :, :, :high] = self.k[:, index, :, :high]
-            self.v[:, :, :, :high] = self.v[:, index, :, :high]
+            # beams that kept their slot need no copy; the right-hand side is gathered before writing
+            moved = (index != torch.arange(self.rows, device=index.device)).nonzero()[:, 0]
+            if moved.numel():
+                src = index[moved]
+                self.k[:, moved, :, :high] = self.k[:, :, :, :high].index_select(1, src)
+                self.v[:, moved, :, :high] = self.v[:, :, :, :high].index_select(1, src)
         else:
             self.k = self._gathered(self.k, index, high)
             self.v = self._gathered(self.v, index, high)

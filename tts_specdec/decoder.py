@@ -40,9 +40,30 @@ class Encoded:
         return Encoded(pick(self.keys), pick(self.values), self.mask.index_select(0, rows), self.guided)
 
 
-def _rms(x: Tensor, norm: torch.nn.Module) -> Tensor:
-    # spear-tts RMSNorm, op for op, so float64 results match to the last bits
-    return F.normalize(x, dim=-1) * norm.scale * norm.gamma
+def _rms_weight(norm: torch.nn.Module) -> Tensor:
+    return norm.gamma * norm.scale
+
+
+def _rms(x: Tensor, weight: Tensor) -> Tensor:
+    # spear-tts RMSNorm, F.normalize(x) * sqrt(dim) * gamma, in three kernels instead of five
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12) * weight
+
+
+@dataclass
+class _LayerWeights:
+    """One decoder layer's parameters, gathered once per decode call (fused where it saves kernels)."""
+
+    attn_norm: Tensor
+    qkv: Tensor  # to_q and to_kv stacked: one projection for q, k, v
+    attn_out_t: Tensor
+    cross_norm: Tensor
+    cross_q: Tensor
+    cross_out_t: Tensor
+    ff_norm: Tensor
+    ff_in: Tensor
+    ff_in_bias: Tensor
+    ff_out_t: Tensor
+    ff_out_bias: Tensor
 
 
 class Decoder:
@@ -68,6 +89,7 @@ class Decoder:
         self.vocab_size = model.to_logits[target_type].weight.shape[0]
         self.layer_evals = [0] * self.depth  # token-layer evaluations, per layer (rows x tokens)
         self._rope: tuple[Tensor, Tensor] | None = None
+        self._prepared: list[_LayerWeights] | None = None
 
     # ---- properties of the wrapped model -----------------------------------------------------
 
@@ -120,7 +142,8 @@ class Decoder:
         )
 
     def _ensure_rope(self, capacity: int) -> None:
-        if self._rope is not None and self._rope[0].shape[0] >= capacity and self._rope[0].dtype == self.dtype:
+        rope = self._rope
+        if rope and rope[0].shape[0] >= capacity and (rope[0].dtype, rope[0].device) == (self.dtype, self.device):
             return
         # the model's own rotary module computes the angles, so positions match it bit for bit
         pos = torch.arange(capacity, device=self.device, dtype=self.dtype)
@@ -128,10 +151,35 @@ class Decoder:
         sign = torch.tensor([-1.0, 1.0], dtype=freqs.dtype, device=freqs.device).repeat(freqs.shape[-1] // 2)
         self._rope = (freqs.cos(), freqs.sin() * sign)  # sign folds rotate_half's negation into sin
 
-    def _rotate(self, t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    @staticmethod
+    def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         # t * cos + rotate_half(t) * sin, rotate_half(x)[2i, 2i+1] = (-x[2i+1], x[2i])
         swapped = t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        return t * cos + swapped * sin
+        return torch.addcmul(t * cos, swapped, sin)
+
+    def _weights(self) -> list[_LayerWeights]:
+        if self._prepared is None:
+            self._prepared = [
+                _LayerWeights(
+                    _rms_weight(sa.norm),
+                    torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight)),
+                    sa.to_out.weight.t(),
+                    _rms_weight(cross.norm),
+                    cross.to_q[0].weight,
+                    cross.to_out.weight.t(),
+                    _rms_weight(ff[0]),
+                    ff[1].weight,
+                    ff[1].bias,
+                    ff[4].weight.t(),
+                    ff[4].bias,
+                )
+                for sa, cross, ff in self.layers
+            ]
+        return self._prepared
+
+    def begin(self) -> None:
+        """Start a decode call: re-read the model's parameters (they may have changed since)."""
+        self._prepared = None
 
     # ---- target side -------------------------------------------------------------------------
 
@@ -161,45 +209,46 @@ class Decoder:
         rows, n = x.shape[:2]
         cos_t, sin_t = self._rope
         if isinstance(start, int):
-            cos, sin = cos_t[start : start + n], sin_t[start : start + n]
+            cos, sin = cos_t[start : start + n, None], sin_t[start : start + n, None]
             if attn_mask is None and n > 1:
                 keys = torch.arange(start + n, device=x.device)
                 attn_mask = keys <= start + torch.arange(n, device=x.device)[:, None]
         else:
             pos = start[:, None] + torch.arange(n, device=x.device)  # (rows, n)
-            cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]
+            cos, sin = cos_t[pos][:, :, None], sin_t[pos][:, :, None]
             if attn_mask is None:
                 keys = torch.arange(int(start.max()) + n, device=x.device)
                 attn_mask = (keys <= pos[..., None])[:, None]
         h_, d, kvh = self.heads, self.dim_head, self.kv_heads
+        dim = x.shape[-1]
+        weights = self._weights()
         for i in layers:
-            self_attn, cross, ff = self.layers[i]
-            # causal self-attention over the row's cache
-            h = _rms(x, self_attn.norm)
-            q = F.linear(h, self_attn.to_q[0].weight).view(rows, n, h_, d).transpose(1, 2)
-            kv = F.linear(h, self_attn.to_kv[0].weight).view(rows, n, 2, kvh, d).permute(2, 0, 3, 1, 4)
-            q = self._rotate(q, cos, sin)
-            keys, values = cache.write(i, self._rotate(kv[0], cos, sin), kv[1], start)
+            w = weights[i]
+            # causal self-attention over the row's cache; q and k rotated together
+            qkv = F.linear(_rms(x, w.attn_norm), w.qkv).view(rows, n, h_ + 2 * kvh, d)
+            qk = self._rotate(qkv[:, :, : h_ + kvh], cos, sin)
+            q = qk[:, :, :h_].transpose(1, 2)
+            keys, values = cache.write(
+                i, qk[:, :, h_:].transpose(1, 2), qkv[:, :, h_ + kvh :].transpose(1, 2), start
+            )
             if kvh != h_:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
                 keys, values = keys.repeat(1, h_ // kvh, 1, 1), values.repeat(1, h_ // kvh, 1, 1)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
-            x = x + F.linear(a.transpose(1, 2).reshape(rows, n, h_ * d), self_attn.to_out.weight)
+            x = torch.addmm(x.reshape(-1, dim), a.transpose(1, 2).reshape(rows * n, -1), w.attn_out_t)
             # cross-attention over the precomputed source K/V
-            h = _rms(x, cross.norm)
-            q = F.linear(h, cross.to_q[0].weight).view(rows, n, cross.heads, d).transpose(1, 2)
+            q = F.linear(_rms(x, w.cross_norm), w.cross_q).view(rows, n, -1, d).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask)
-            x = x + F.linear(a.transpose(1, 2).reshape(rows, n, cross.heads * d), cross.to_out.weight)
-            # feed-forward (RMSNorm, Linear, GEGLU, Dropout, Linear)
-            h = F.linear(_rms(x, ff[0]), ff[1].weight, ff[1].bias)
-            h, gate = h.chunk(2, dim=-1)
-            x = x + F.linear(F.gelu(gate) * h, ff[4].weight, ff[4].bias)
+            x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), w.cross_out_t)
+            # feed-forward: RMSNorm, Linear, GEGLU, Linear
+            h, gate = F.linear(_rms(x, w.ff_norm), w.ff_in, w.ff_in_bias).chunk(2, dim=-1)
+            x = torch.addmm(x + w.ff_out_bias, F.gelu(gate) * h, w.ff_out_t).view(rows, n, dim)
             self.layer_evals[i] += rows * n
         return x
 
     def target_logits(self, h: Tensor) -> Tensor:
         """Final norm + tied output projection on the last layer's hidden state."""
-        tt = self.model.target_transformer
-        return F.linear(_rms(h, tt.final_norm), self.model.to_logits[self.target_type].weight)
+        norm = _rms_weight(self.model.target_transformer.final_norm)
+        return F.linear(_rms(h, norm), self.model.to_logits[self.target_type].weight)
 
     def draft_logits(self, h: Tensor) -> Tensor:
         """The early-exit head on the exit layer's hidden state."""

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from .audio import read_wav, write_wav
 
 METADATA = "metadata.csv"
+ESPEAK_RATE = 230  # words per minute: faster speech = shorter unit sequences to learn and decode
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def espeak_available() -> bool:
     return shutil.which("espeak-ng") is not None
 
 
-def espeak(text: str, out: str | Path, *, voice: str = "en-us", rate: int = 230) -> Path:
+def espeak(text: str, out: str | Path, *, voice: str = "en-us", rate: int = ESPEAK_RATE) -> Path:
     """Speak `text` with espeak-ng into a 16 kHz mono wav at `out`."""
     if not text.strip():
         raise ValueError("text must not be empty")
@@ -85,7 +86,7 @@ def espeak(text: str, out: str | Path, *, voice: str = "en-us", rate: int = 230)
 
 
 def speak_corpus(root: str | Path, utterances: list[Utterance], *, voice: str = "en-us",
-                 rate: int = 230) -> Path:
+                 rate: int = ESPEAK_RATE) -> Path:
     """Write metadata and speak every utterance whose wav is missing (resumable)."""
     write_metadata(root, utterances)
     for u in tqdm(utterances, desc=f"espeak-ng -> {root}", unit="utt"):

@@ -1,0 +1,119 @@
+"""Text -> units -> waveform with any decoding mode of `SpeculativeDecoder`.
+
+Data flows one way: recipes -> this pipeline -> SpeculativeDecoder -> the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from spear_tts_pytorch import TextToSemantic
+
+from .checkpoint import Checkpoint, load_checkpoint
+from .features import MelConfig
+from .model import ModelConfig
+from .tokenizer import CharTokenizer
+from .units import MelKMeans
+from .vocoder import CentroidVocoder
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+@dataclass
+class SpeechModel:
+    """Everything needed to speak: the TextToSemantic (eval mode), its tokenizer, units and vocoder."""
+    model: TextToSemantic
+    tokenizer: CharTokenizer
+    units: MelKMeans
+    vocoder: CentroidVocoder
+    config: ModelConfig
+    mel_config: MelConfig = MelConfig()
+    meta: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> "SpeechModel":
+        return cls(model=ckpt.model.eval(), tokenizer=ckpt.tokenizer,
+                   units=MelKMeans(ckpt.centroids, ckpt.mel_config),
+                   vocoder=CentroidVocoder(ckpt.centroids, ckpt.mel_config),
+                   config=ckpt.config, mel_config=ckpt.mel_config, meta=ckpt.meta)
+
+
+def load_speech_model(directory: str | Path | None = None) -> SpeechModel:
+    """Load a checkpoint directory (default: the one shipped in the package), offline, no pickle."""
+    return SpeechModel.from_checkpoint(load_checkpoint(ASSETS if directory is None else directory))
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One decoding mode of the demo: which SpeculativeDecoder method and its arguments."""
+    name: str
+    method: str  # "sample" or "beam_search"
+    gamma: int = 0
+    beam_size: int = 4
+    temperature: float = 0.0
+
+
+MODES: dict[str, Mode] = {
+    "plain": Mode("plain", "sample"),
+    "spec": Mode("spec", "sample", gamma=4),
+    "beam": Mode("beam", "beam_search"),
+    "spec-beam": Mode("spec-beam", "beam_search", gamma=4),
+}
+
+
+@dataclass
+class Synthesis:
+    texts: list[str]
+    units: list[torch.Tensor]   # per text, (frames,)
+    wavs: list[torch.Tensor]    # per text, (samples,)
+    stats: object               # tts_specdec.DecodeStats of the decoding call
+    decode_seconds: float
+    vocode_seconds: float
+
+    @property
+    def audio_seconds(self) -> float:
+        return sum(w.numel() for w in self.wavs) / 16_000
+
+
+def decode_units(speech: SpeechModel, texts: list[str], mode: Mode, *, seed: int = 0,
+                 max_length: int = 1000, cond_scale: float = 1.0):
+    """Run one decoding mode on a batch of texts; returns the decoder's result (tokens, stats)."""
+    from tts_specdec import SpeculativeDecoder  # the package root imports speech lazily
+
+    if not isinstance(texts, list) or not texts:
+        raise TypeError("texts must be a non-empty list of str")
+    source = speech.tokenizer(texts)  # validates: empty text / unknown characters -> ValueError
+    decoder = SpeculativeDecoder(speech.model)
+    if mode.method == "sample":
+        generator = torch.Generator().manual_seed(seed)
+        return decoder.sample(source, temperature=mode.temperature, gamma=mode.gamma,
+                              max_length=max_length, cond_scale=cond_scale, generator=generator)
+    if mode.method == "beam_search":
+        return decoder.beam_search(source, beam_size=mode.beam_size, gamma=mode.gamma,
+                                   max_length=max_length, cond_scale=cond_scale)
+    raise ValueError(f"mode.method must be 'sample' or 'beam_search', got {mode.method!r}")
+
+
+def units_only(speech: SpeechModel, tokens: torch.Tensor) -> torch.Tensor:
+    """Drop ids that are not k-means units (the reserved padding id, if a sampler ever emits it)."""
+    return tokens[tokens < speech.config.n_units]
+
+
+def synthesize(speech: SpeechModel, texts: list[str], mode: Mode | str = "spec-beam", *,
+               seed: int = 0, max_length: int = 1000, cond_scale: float = 1.0) -> Synthesis:
+    """Texts -> units (chosen decoding mode) -> waveforms (centroid Griffin-Lim vocoder)."""
+    import time
+
+    if isinstance(mode, str):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        mode = MODES[mode]
+    out = decode_units(speech, texts, mode, seed=seed, max_length=max_length, cond_scale=cond_scale)
+    units = [units_only(speech, t.cpu()) for t in out.tokens]
+    start = time.perf_counter()
+    # an utterance needs 2 frames to vocode; a model that stops at once yields a short silence
+    wavs = [speech.vocoder(u) if u.numel() >= 2 else torch.zeros(speech.mel_config.hop_length) for u in units]
+    return Synthesis(texts, units, wavs, out.stats, out.stats.wall_time, time.perf_counter() - start)
