@@ -14,7 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tts_specdec.speech.audio import read_wav, write_wav
-from tts_specdec.speech.corpus import Utterance, read_metadata, speak_corpus, wav_path, write_metadata
+from tts_specdec.speech.corpus import ESPEAK_RATE, Utterance, read_metadata, speak_corpus, wav_path, write_metadata
 from tts_specdec.speech.sentences import split_sentences
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=6000)
     parser.add_argument("--n-heldout", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rate", type=int, default=230, help="espeak-ng words per minute")
+    parser.add_argument("--rate", type=int, default=ESPEAK_RATE, help="espeak-ng words per minute")
     parser.add_argument("--voice", default="en-us")
     parser.add_argument("--ljspeech", type=Path, help="existing LJSpeech-layout corpus to import instead")
     args = parser.parse_args()

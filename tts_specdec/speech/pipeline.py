@@ -78,14 +78,21 @@ class Synthesis:
         return sum(w.numel() for w in self.wavs) / 16_000
 
 
+def default_max_length(source: torch.Tensor) -> int:
+    """A cap on units per row: espeak at our rate speaks ~2.5 units per character, so 6x + 40 is
+    generous, yet stops a model that never emits EOS long before the decoder's 2048."""
+    return int(6 * source.shape[1] + 40)
+
+
 def decode_units(speech: SpeechModel, texts: list[str], mode: Mode, *, seed: int = 0,
-                 max_length: int = 1000, cond_scale: float = 1.0):
+                 max_length: Optional[int] = None, cond_scale: float = 1.0):
     """Run one decoding mode on a batch of texts; returns the decoder's result (tokens, stats)."""
     from tts_specdec import SpeculativeDecoder  # the package root imports speech lazily
 
     if not isinstance(texts, list) or not texts:
         raise TypeError("texts must be a non-empty list of str")
     source = speech.tokenizer(texts)  # validates: empty text / unknown characters -> ValueError
+    max_length = default_max_length(source) if max_length is None else max_length
     decoder = SpeculativeDecoder(speech.model)
     if mode.method == "sample":
         generator = torch.Generator().manual_seed(seed)
@@ -103,7 +110,7 @@ def units_only(speech: SpeechModel, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def synthesize(speech: SpeechModel, texts: list[str], mode: Mode | str = "spec-beam", *,
-               seed: int = 0, max_length: int = 1000, cond_scale: float = 1.0) -> Synthesis:
+               seed: int = 0, max_length: Optional[int] = None, cond_scale: float = 1.0) -> Synthesis:
     """Texts -> units (chosen decoding mode) -> waveforms (centroid Griffin-Lim vocoder)."""
     import time
 

@@ -1,0 +1,177 @@
+"""Text to speech with the shipped model, in every decoding mode.
+
+    python recipes/synthesize.py                                   # the demo: samples/ + samples/README.md
+    python recipes/synthesize.py "Any text." --mode spec-beam --out out.wav
+    python recipes/synthesize.py --texts lines.txt --out wavs/     # one wav per line, in batches
+
+Modes: plain (greedy sampling), spec (greedy speculative sampling, gamma 4), beam (beam 4),
+spec-beam (speculative beam search, beam 4, gamma 4). Nothing is downloaded; espeak-ng is only
+needed for the quality figures of the demo (they are skipped with a message without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tts_specdec.speech import MODES, SpeechModel, load_default, load_speech_model, synthesize
+from tts_specdec.speech.audio import write_wav
+from tts_specdec.speech.evaluation import run_mode, vocoder_ceiling
+from tts_specdec.speech.references import heldout_sentences, reference_wavs
+from tts_specdec.speech.report import markdown_table, spectrogram_figure
+
+SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+
+
+def one(speech: SpeechModel, text: str, mode: str, out: Path) -> None:
+    result = synthesize(speech, [text], mode)
+    write_wav(out, result.wavs[0])
+    stats = result.stats
+    print(f"{out}: {result.audio_seconds:.2f} s of audio, {stats.generated_tokens} units in "
+          f"{result.decode_seconds:.2f} s ({stats.tokens_per_second:.0f} tokens/s, mode {mode})")
+
+
+def many(speech: SpeechModel, texts_file: Path, mode: str, out_dir: Path, batch_size: int) -> None:
+    if not texts_file.is_file():
+        raise FileNotFoundError(f"--texts: no such file: {texts_file}")
+    lines = [line.strip() for line in texts_file.read_text(encoding="utf-8").splitlines()]
+    jobs = [(i, t) for i, t in enumerate(lines) if t and not (out_dir / f"{i:05d}.wav").exists()]
+    print(f"{len(jobs)} of {sum(map(bool, lines))} lines to synthesise into {out_dir}/")
+    for start in tqdm(range(0, len(jobs), batch_size), desc=mode, unit="batch"):
+        batch = jobs[start:start + batch_size]
+        result = synthesize(speech, [t for _, t in batch], mode)
+        for (i, _), wav in zip(batch, result.wavs):
+            write_wav(out_dir / f"{i:05d}.wav", wav)
+
+
+def demo(speech: SpeechModel, out_dir: Path, n_eval: int, n_samples: int, modes: list[str]) -> None:
+    """The main job: every mode on held-out sentences; wavs, a spectrogram figure and a report."""
+    texts = heldout_sentences(n_eval)
+    references = reference_wavs(texts)
+    if references is None:
+        print("espeak-ng not found: quality figures skipped (install espeak-ng to compute them); "
+              f"synthesising the {n_samples} sample sentences only")
+        texts = texts[:n_samples]
+    started = time.time()
+    results = {}
+    for mode in modes:
+        results[mode] = run_mode(speech, texts, mode, references=references)
+        r = results[mode]
+        print(f"{mode:>9}: {r.tokens_per_second:6.0f} tokens/s, RTF {r.real_time_factor:.3f}, "
+              f"{r.tokens_per_target_pass:.2f} tokens per target pass"
+              + ("" if r.quality is None else f", content-ID {r.quality.content_id_accuracy:.0%}, "
+                 f"duration ok {r.quality.duration_pass_rate:.0%}"))
+    ceiling = vocoder_ceiling(speech, references) if references is not None else None
+
+    ids = [f"heldout_{i:05d}" for i in range(n_samples)]
+    for mode, r in results.items():
+        for uid, wav in zip(ids, r.wavs):
+            write_wav(out_dir / mode / f"{uid}.wav", wav)
+    if references is not None:
+        for uid, wav in zip(ids, references):
+            write_wav(out_dir / "reference" / f"{uid}.wav", wav)
+    panels = {mode: r.wavs[0] for mode, r in results.items()}
+    if references is not None:
+        panels["espeak-ng reference"] = references[0]
+    spectrogram_figure(out_dir / "spectrograms.png", texts[0], panels)
+
+    units = {mode: [u for s in r.syntheses for u in s.units] for mode, r in results.items()}
+    identical = {}
+    for fast, slow in (("spec", "plain"), ("spec-beam", "beam")):
+        if fast in units and slow in units:
+            same = all(torch.equal(a, b) for a, b in zip(units[fast], units[slow]))
+            identical[fast] = f"`{slow}`: {'yes' if same else 'NO'}"
+    write_readme(out_dir, speech, list(results.values()), ceiling, identical, texts, ids, n_samples,
+                 time.time() - started)
+    print(f"wrote {out_dir}/ in {time.time() - started:.0f} s")
+
+
+def write_readme(out_dir: Path, speech: SpeechModel, results, ceiling, identical, texts, ids,
+                 n_samples: int, seconds: float) -> None:
+    config = speech.config
+    n = results[0].utterances if results else 0
+    lines = [
+        "# Samples: the shipped model in every decoding mode",
+        "",
+        "Written by `python recipes/synthesize.py` (`make demo`) from the checkpoint in "
+        "`tts_specdec/assets/`, on held-out sentences the model never saw in training. "
+        f"Figures over {n} sentences, decoded one at a time (batch 1) on this machine's CPU "
+        f"({torch.get_num_threads()} threads); the whole run took {seconds:.0f} s.",
+        "",
+        "Modes: `plain` = greedy decoding (temperature 0); `spec` = greedy speculative sampling with the "
+        "early-exit head as draft (gamma 4); `beam` = beam search (4 beams); `spec-beam` = speculative "
+        "beam search (4 beams, gamma 4). Greedy is used for the sampling modes so that `plain` and "
+        "`spec` can be compared unit for unit; with temperature > 0 speculative sampling keeps the "
+        "target's distribution but not the same draws.",
+        "",
+        markdown_table(results, ceiling, identical),
+        "- tokens/s: semantic units generated per second of decoding (50 units = 1 s of audio).",
+        "- real-time factor: (decoding + vocoding time) / audio duration.",
+        "- tokens per target pass: units (sampling) or beam steps (beam search) committed per pass of "
+        "the full decoder; accepted drafts per pass excludes the target's own bonus/correction token.",
+        "- content-ID accuracy: share of generated utterances whose nearest espeak-ng reference under "
+        "length-normalised DTW on log-mel frames is their own sentence; duration ratio = "
+        "generated / reference duration. The ceiling row puts the reference's own k-means units "
+        "through the same vocoder.",
+        "",
+        f"Model: TextToSemantic dim {config.dim}, encoder depth {config.source_depth}, decoder depth "
+        f"{config.target_depth}, early exit after layer {config.target_early_exit_layer}, "
+        f"{config.n_units} k-means units of 80-band log-mel at 50 frames/s; centroid log-mel + "
+        "Griffin-Lim vocoder.",
+        "",
+        "## Files",
+        "",
+        "- `spectrograms.png`: the first sentence in every mode"
+        + (" and the espeak-ng reference" if ceiling is not None else ""),
+    ]
+    for mode in [r.mode for r in results] + (["reference"] if ceiling is not None else []):
+        lines.append(f"- `{mode}/`: " + ", ".join(f"`{uid}.wav`" for uid in ids))
+    lines += ["", "| id | text |", "|---|---|"]
+    lines += [f"| {uid} | {text} |" for uid, text in zip(ids, texts[:n_samples])]
+    (out_dir / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("text", nargs="?", help="one sentence to speak (writes --out)")
+    parser.add_argument("--mode", choices=sorted(MODES), default="spec-beam")
+    parser.add_argument("--out", type=Path, help="wav file (one text) or folder (--texts, demo)")
+    parser.add_argument("--texts", type=Path, help="text file, one sentence per line")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--checkpoint", type=Path, help="checkpoint folder (default: the shipped one)")
+    parser.add_argument("--n-eval", type=int, default=50, help="demo: held-out sentences to score")
+    parser.add_argument("--n-samples", type=int, default=5, help="demo: sentences whose wavs are kept")
+    parser.add_argument("--modes", default="plain,spec,beam,spec-beam", help="demo: comma-separated modes")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
+    if args.text is not None and args.texts is not None:
+        parser.error("give either a text or --texts, not both")
+    speech = load_default() if args.checkpoint is None else load_speech_model(args.checkpoint)
+    try:
+        if args.text is not None:
+            one(speech, args.text, args.mode, args.out or Path("out.wav"))
+        elif args.texts is not None:
+            many(speech, args.texts, args.mode, args.out or Path("out"), args.batch_size)
+        else:
+            modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+            unknown = [m for m in modes if m not in MODES]
+            if unknown or not modes:
+                parser.error(f"--modes: unknown {unknown}; choose from {sorted(MODES)}")
+            if not 1 <= args.n_samples <= args.n_eval:
+                parser.error("--n-samples must be between 1 and --n-eval")
+            demo(speech, args.out or SAMPLES, args.n_eval, args.n_samples, modes)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        sys.exit(f"error: {error}")
+
+
+if __name__ == "__main__":
+    main()
