@@ -1,0 +1,269 @@
+"""Side-by-side decoding benchmark: spear-tts's own generate() against every tts_specdec mode.
+
+All modes run in one process on the same model and inputs, in interleaved repetitions (mode A, B, C,
+A, B, C, ...) so that machine noise hits them alike; the table reports median tokens/s and ratios
+measured within this run. Speed claims come from here, never from unit tests.
+
+    python recipes/benchmark.py                      # issue-2 reference model (random init), batch 1
+    python recipes/benchmark.py --model default      # the shipped checkpoint (trained exit head)
+    python recipes/benchmark.py --json bench.json --reps 5 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tts_specdec import SpeculativeDecoder  # noqa: E402
+from tts_specdec._upstream import TextToSemantic, quiet_progress  # noqa: E402
+from tts_specdec.results import DecodeStats  # noqa: E402
+from tts_specdec.distill import distill_exit_head  # noqa: E402
+
+
+@dataclass
+class Mode:
+    name: str
+    run: Callable[[], tuple[int, DecodeStats | None]]  # -> (generated tokens, our stats or None)
+    baseline: str | None = None  # ratio is reported against this mode
+    times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    stats: DecodeStats | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return statistics.median(n / t for n, t in zip(self.tokens, self.times))
+
+
+@dataclass
+class Setup:
+    model: TextToSemantic
+    source: torch.Tensor
+    max_length: int
+    description: str
+
+
+def reference_model(seed: int, device: str, distill_steps: int) -> Setup:
+    """The model of issue 2 ("Why"): dim 256, source depth 4, target depth 8, 4 heads of 64,
+    512 semantic ids, 60 text tokens in, 200 out, EOS disabled; exit head after layer 2, briefly
+    distilled toward the model's own final head so speculative rows have a meaningful draft."""
+    torch.manual_seed(seed)
+    model = TextToSemantic(
+        dim=256, source_depth=4, target_depth=8, heads=4, dim_head=64, num_text_token_ids=256,
+        num_semantic_token_ids=512, autoset_semantic_eos_id=False, target_early_exit_layer=2,
+    ).to(device).eval()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    source = torch.randint(1, 256, (1, 60), generator=gen).to(device)
+    if distill_steps:
+        distill_exit_head(model, source_len=60, steps=distill_steps, seq_len=200, seed=seed)
+    return Setup(model, source, 200, f"random-init reference model (issue 2), exit head distilled {distill_steps} steps")
+
+
+def default_model(device: str) -> Setup:
+    from tts_specdec.speech import load_default
+
+    bundle = load_default()
+    model = bundle.model.to(device).eval()
+    text = "The quick brown fox jumps over the lazy dog near the river bank."
+    source = model.tokenizer_encode([text]).to(device)
+    return Setup(model, source, 2048, f"shipped checkpoint, input: {text!r}")
+
+
+def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
+    model, source, n = setup.model, setup.source, setup.max_length
+    dec = SpeculativeDecoder(model)
+    gen = torch.Generator(device=source.device).manual_seed(args.seed)
+    k, g = args.beam_size, args.gamma
+    has_exit = dec.decoder.exit_layer is not None
+
+    def upstream(**kw: object) -> Callable[[], tuple[int, None]]:
+        def run() -> tuple[int, None]:
+            with quiet_progress():
+                out = model.generate(source, source_type="text", target_type="speech", max_length=n, **kw)
+            eos = model.eos_id["speech"] if model.autoset_eos_id["speech"] else None
+            keep = out != model.semantic_pad_id
+            if eos is not None:
+                keep &= (out == eos).cumsum(dim=-1) == 0
+            return int(keep.sum()), None
+        return run
+
+    def ours(method: str, **kw: object) -> Callable[[], tuple[int, DecodeStats]]:
+        def run() -> tuple[int, DecodeStats]:
+            out = getattr(dec, method)(source, max_length=n, **kw)
+            return out.stats.generated_tokens, out.stats
+        return run
+
+    t = args.temperature
+    modes = [
+        Mode("spear-tts generate (sampling)", upstream(temperature=t)),
+        Mode("ours sample", ours("sample", temperature=t, generator=gen), "spear-tts generate (sampling)"),
+    ]
+    if has_exit:
+        modes.append(Mode(f"ours speculative sample (gamma={g})", ours("sample", temperature=t, generator=gen, gamma=g), "ours sample"))
+        modes.append(Mode(f"ours greedy", ours("sample", temperature=0.0)))
+        modes.append(Mode(f"ours speculative greedy (gamma={g})", ours("sample", temperature=0.0, gamma=g), "ours greedy"))
+    if not args.skip_upstream_beam:
+        modes.append(Mode(f"spear-tts generate (beam {k})", upstream(beam_search_decode=True, beam_size=k)))
+    modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k), None if args.skip_upstream_beam else f"spear-tts generate (beam {k})"))
+    if has_exit and _has_spec_beam():
+        modes.append(Mode(f"ours speculative beam (beam {k}, gamma={g})", ours("beam_search", beam_size=k, gamma=g), f"ours beam search (beam {k})"))
+        dropin = _dropin(model)
+        if dropin is not None and not args.skip_upstream_beam:
+            def run_dropin() -> tuple[int, None]:
+                out = dropin(source, source_type="text", target_type="speech", max_length=n,
+                             beam_search_decode=True, spec_decode=True, beam_size=k, spec_decode_gamma=g)
+                eos = model.eos_id["speech"] if model.autoset_eos_id["speech"] else None
+                keep = out != model.semantic_pad_id
+                if eos is not None:
+                    keep &= (out == eos).cumsum(dim=-1) == 0
+                return int(keep.sum()), None
+            modes.append(Mode(f"drop-in generate(beam {k}, spec)", run_dropin, f"spear-tts generate (beam {k})"))
+    return modes
+
+
+def _has_spec_beam() -> bool:
+    try:
+        import tts_specdec.spec_beam  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _dropin(model: TextToSemantic) -> Callable | None:
+    try:
+        from tts_specdec import generate
+    except ImportError:
+        return None
+    return lambda source, **kw: generate(model, source, **kw)
+
+
+def measure(modes: list[Mode], reps: int) -> None:
+    for mode in modes:  # warm-up: first-call allocations and lazy init stay out of the numbers
+        mode.run()
+    for rep in range(reps):
+        for mode in modes:
+            start = time.perf_counter()
+            tokens, stats = mode.run()
+            mode.times.append(time.perf_counter() - start)
+            mode.tokens.append(tokens)
+            mode.stats = stats if stats is not None else mode.stats
+        print(f"  repetition {rep + 1}/{reps} done", file=sys.stderr)
+
+
+def cost_ratio(modes: list[Mode]) -> float | None:
+    """c = time of one draft step / time of one plain target step, from this run's own stats."""
+    plain = next((m for m in modes if m.name == "ours greedy"), None)
+    spec = next((m for m in modes if m.name.startswith("ours speculative greedy")), None)
+    if not plain or not spec or not plain.stats or not spec.stats or not spec.stats.draft_passes:
+        return None
+    target_step = plain.stats.wall_time / plain.stats.steps
+    draft_step = spec.stats.draft_time / spec.stats.draft_passes
+    return draft_step / target_step
+
+
+def leviathan_bound(alpha: float, gamma: int, c: float) -> float:
+    """Expected walltime improvement (Leviathan et al. 2022, Theorem 3.8)."""
+    if alpha >= 1:
+        return (gamma + 1) / (gamma * c + 1)
+    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+
+
+def machine_info(device: str) -> dict:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu, "device": device}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
+    by_name = {m.name: m for m in modes}
+    c = cost_ratio(modes)
+    rows = []
+    for m in modes:
+        row = {"mode": m.name, "tokens_per_s": m.tokens_per_s, "median_s": statistics.median(m.times),
+               "tokens": statistics.median(m.tokens)}
+        if m.baseline and m.baseline in by_name:
+            row["vs"] = m.baseline
+            row["speedup"] = m.tokens_per_s / by_name[m.baseline].tokens_per_s
+        s = m.stats
+        if s is not None and s.gamma:
+            if s.accepted_hist:
+                row.update(alpha=s.alpha, tokens_per_target_pass=s.tokens_per_target_pass,
+                           accepted_hist=s.accepted_hist)
+                if c is not None:
+                    row["leviathan_bound"] = leviathan_bound(s.alpha, s.gamma, c)
+            if s.committed_hist:
+                row.update(steps_per_target_pass=s.steps_per_target_pass, committed_hist=s.committed_hist)
+        rows.append(row)
+    return {"machine": machine_info(args.device), "setup": setup.description, "batch": int(setup.source.shape[0]),
+            "max_length": setup.max_length, "reps": args.reps, "gamma": args.gamma, "cost_ratio_c": c, "rows": rows}
+
+
+def print_table(result: dict) -> None:
+    m = result["machine"]
+    print(f"\n{result['setup']}")
+    print(f"torch {m['torch']}, {m['threads']} threads, {m.get('gpu') or m['cpu']}, batch {result['batch']}, "
+          f"median of {result['reps']} interleaved reps")
+    if result["cost_ratio_c"] is not None:
+        print(f"measured draft/target step cost ratio c = {result['cost_ratio_c']:.3f}")
+    print(f"\n{'mode':48s} {'tok/s':>9s} {'speedup':>20s} {'alpha':>6s} {'tok/pass':>8s} {'bound':>6s}")
+    for r in result["rows"]:
+        speed = f"{r['speedup']:.2f}x vs {r['vs'][:11]}" if "speedup" in r else ""
+        alpha = f"{r['alpha']:.3f}" if "alpha" in r else ""
+        per_pass = r.get("tokens_per_target_pass", r.get("steps_per_target_pass"))
+        per_pass = f"{per_pass:.2f}" if per_pass is not None else ""
+        bound = f"{r['leviathan_bound']:.2f}" if "leviathan_bound" in r else ""
+        print(f"{r['mode']:48s} {r['tokens_per_s']:9.1f} {speed:>20s} {alpha:>6s} {per_pass:>8s} {bound:>6s}")
+        for key in ("accepted_hist", "committed_hist"):
+            if key in r:
+                print(f"{'':48s}   {key}: {r[key]}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["reference", "default"], default="reference")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--beam-size", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--distill-steps", type=int, default=300, help="reference model: exit-head distillation steps")
+    p.add_argument("--skip-upstream-beam", action="store_true", help="skip spear-tts beam search (slowest row)")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    torch.set_num_threads(args.threads)
+    setup = reference_model(args.seed, args.device, args.distill_steps) if args.model == "reference" else default_model(args.device)
+    modes = build_modes(setup, args)
+    measure(modes, args.reps)
+    result = report(setup, modes, args)
+    print_table(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
