@@ -50,6 +50,26 @@ def _rms(x: Tensor, weight: Tensor) -> Tensor:
 
 
 @dataclass
+class _FeedForward:
+    """spear-tts FeedForward (RMSNorm, Linear, GEGLU, Dropout, Linear) as prepared weights."""
+
+    norm: Tensor
+    w_in: Tensor
+    b_in: Tensor
+    w_out_t: Tensor
+    b_out: Tensor
+
+    @classmethod
+    def of(cls, ff: torch.nn.Sequential) -> "_FeedForward":
+        return cls(_rms_weight(ff[0]), ff[1].weight, ff[1].bias, ff[4].weight.t(), ff[4].bias)
+
+    def residual(self, x: Tensor) -> Tensor:
+        """x + ff(x) for x (tokens, dim), the residual add folded into the output matmul."""
+        h, gate = F.linear(_rms(x, self.norm), self.w_in, self.b_in).chunk(2, dim=-1)
+        return torch.addmm(x + self.b_out, F.gelu(gate) * h, self.w_out_t)
+
+
+@dataclass
 class _LayerWeights:
     """One decoder layer's parameters, gathered once per decode call (fused where it saves kernels)."""
 
@@ -59,11 +79,20 @@ class _LayerWeights:
     cross_norm: Tensor
     cross_q: Tensor
     cross_out_t: Tensor
-    ff_norm: Tensor
-    ff_in: Tensor
-    ff_in_bias: Tensor
-    ff_out_t: Tensor
-    ff_out_bias: Tensor
+    ff: _FeedForward
+
+
+@dataclass
+class _ExitHead:
+    """to_early_exit_semantic_logits = Sequential(Residual(FeedForward), RMSNorm, Linear)."""
+
+    ff: _FeedForward
+    norm: Tensor
+    w_out: Tensor
+
+    def __call__(self, h: Tensor) -> Tensor:
+        x = self.ff.residual(h.reshape(-1, h.shape[-1]))
+        return F.linear(_rms(x, self.norm), self.w_out).view(*h.shape[:-1], -1)
 
 
 class Decoder:
@@ -90,6 +119,7 @@ class Decoder:
         self.layer_evals = [0] * self.depth  # token-layer evaluations, per layer (rows x tokens)
         self._rope: tuple[Tensor, Tensor] | None = None
         self._prepared: list[_LayerWeights] | None = None
+        self._exit_head: _ExitHead | None = None
 
     # ---- properties of the wrapped model -----------------------------------------------------
 
@@ -167,11 +197,7 @@ class Decoder:
                     _rms_weight(cross.norm),
                     cross.to_q[0].weight,
                     cross.to_out.weight.t(),
-                    _rms_weight(ff[0]),
-                    ff[1].weight,
-                    ff[1].bias,
-                    ff[4].weight.t(),
-                    ff[4].bias,
+                    _FeedForward.of(ff),
                 )
                 for sa, cross, ff in self.layers
             ]
@@ -180,12 +206,13 @@ class Decoder:
     def begin(self) -> None:
         """Start a decode call: re-read the model's parameters (they may have changed since)."""
         self._prepared = None
+        self._exit_head = None
 
     # ---- target side -------------------------------------------------------------------------
 
     def embed(self, tokens: Tensor, guided: bool = False) -> Tensor:
         """Token ids (sequences, n) -> decoder inputs (rows, n, dim)."""
-        x = self.model.token_emb[self.target_type](tokens)
+        x = F.embedding(tokens, self.model.token_emb[self.target_type].weight)
         return x.repeat_interleave(2, dim=0) if guided else x
 
     def start(self, rows: int) -> Tensor:
@@ -240,8 +267,7 @@ class Decoder:
             a = F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask)
             x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), w.cross_out_t)
             # feed-forward: RMSNorm, Linear, GEGLU, Linear
-            h, gate = F.linear(_rms(x, w.ff_norm), w.ff_in, w.ff_in_bias).chunk(2, dim=-1)
-            x = torch.addmm(x + w.ff_out_bias, F.gelu(gate) * h, w.ff_out_t).view(rows, n, dim)
+            x = w.ff.residual(x).view(rows, n, dim)
             self.layer_evals[i] += rows * n
         return x
 
@@ -254,4 +280,7 @@ class Decoder:
         """The early-exit head on the exit layer's hidden state."""
         if self.exit_layer is None:
             raise ValueError("this model has no early-exit head (target_early_exit_layer is None)")
-        return self.model.to_early_exit_semantic_logits(h)
+        if self._exit_head is None:
+            head = self.model.to_early_exit_semantic_logits
+            self._exit_head = _ExitHead(_FeedForward.of(head[0].fn), _rms_weight(head[1]), head[2].weight)
+        return self._exit_head(h)
