@@ -21,12 +21,7 @@ env: $(STAMP)
 $(STAMP): pyproject.toml
 	@set -e; \
 	if [ ! -x $(PY) ]; then \
-	  PY310=$$(command -v python3.10 || true); \
-	  if [ -z "$$PY310" ] && command -v pyenv >/dev/null; then \
-	    PY310=$$(ls -d "$$(pyenv root)"/versions/3.10.*/bin/python 2>/dev/null | tail -n 1); fi; \
-	  if [ -z "$$PY310" ]; then \
-	    PY310=$$(ls -d "$$HOME"/.pyenv/versions/3.10.*/bin/python 2>/dev/null | tail -n 1); fi; \
-	  if [ -z "$$PY310" ]; then echo "error: Python 3.10 not found (fairseq, pulled by spear-tts, needs <3.11)" >&2; exit 1; fi; \
+	  PY310=$$(tools/find_python310.sh); \
 	  echo "creating $(VENV) with $$PY310"; \
 	  "$$PY310" -m venv $(VENV); \
 	fi; \
