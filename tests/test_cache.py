@@ -1,0 +1,94 @@
+"""KVCache verbs: write, crop, reorder, repeat, grow."""
+
+import pytest
+import torch
+
+from tts_specdec.cache import KVCache
+
+LAYERS, ROWS, HEADS, CAP, DIM = 2, 4, 2, 8, 3
+
+
+def filled(high: int = 5) -> KVCache:
+    """A cache whose every written slot holds a distinct value; positions < high written."""
+    cache = KVCache(LAYERS, ROWS, HEADS, DIM, CAP, dtype=torch.float64, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for layer in range(LAYERS):
+        k = torch.randn(ROWS, HEADS, high, DIM, generator=g, dtype=torch.float64)
+        cache.write(layer, k, -k, 0)
+    cache.crop(torch.tensor([5, 3, 4, 1]))
+    return cache
+
+
+def test_write_at_one_position_returns_keys_up_to_the_end():
+    cache = filled()
+    k, v = torch.ones(ROWS, HEADS, 2, DIM, dtype=torch.float64), torch.zeros(ROWS, HEADS, 2, DIM, dtype=torch.float64)
+    before = cache.k[1, :, :, :5].clone()
+    keys, values = cache.write(1, k, v, 5)
+    assert keys.shape == (ROWS, HEADS, 7, DIM) and values.shape == keys.shape
+    assert torch.equal(keys[:, :, :5], before) and torch.equal(keys[:, :, 5:], k) and torch.equal(values[:, :, 5:], v)
+    assert cache.high == 7
+    assert cache.lengths.tolist() == [5, 3, 4, 1]  # writing does not commit
+
+
+def test_ragged_write_puts_each_row_at_its_own_position():
+    cache = filled()
+    before, before_v = cache.k.clone(), cache.v.clone()
+    start = torch.tensor([5, 3, 4, 1])
+    k = torch.arange(ROWS * HEADS * 2 * DIM, dtype=torch.float64).view(ROWS, HEADS, 2, DIM) + 100
+    keys, _ = cache.write(0, k, -k, start)
+    assert keys.shape[2] == 7  # up to the furthest written position
+    expected, expected_v = before[0].clone(), before_v[0].clone()
+    for r, s in enumerate(start.tolist()):
+        expected[r, :, s : s + 2] = k[r]
+        expected_v[r, :, s : s + 2] = -k[r]
+    assert torch.equal(cache.k[0], expected) and torch.equal(cache.v[0], expected_v)
+    assert torch.equal(cache.k[1], before[1])  # other layers untouched
+
+
+def test_crop_moves_lengths_only():
+    cache = filled()
+    k, v = cache.k.clone(), cache.v.clone()
+    cache.crop(torch.tensor([0, 2, 2, 5]))
+    assert cache.lengths.tolist() == [0, 2, 2, 5]
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [[2, 0, 3, 1], [1, 0, 2, 3], [0, 1, 2, 3], [3, 3, 0, 0], [2, 0], [1], [0, 0, 1, 1, 2, 2]],
+    ids=["permutation", "swap", "identity", "beams", "fewer", "one", "more"],
+)
+def test_reorder_gathers_rows(index):
+    cache = filled()
+    k, v, lengths = cache.k.clone(), cache.v.clone(), cache.lengths.clone()
+    index = torch.tensor(index)
+    cache.reorder(index)
+    assert cache.rows == len(index) and cache.capacity >= CAP
+    assert torch.equal(cache.k[:, :, :, : cache.high], k[:, index, :, : cache.high])
+    assert torch.equal(cache.v[:, :, :, : cache.high], v[:, index, :, : cache.high])
+    assert torch.equal(cache.lengths, lengths[index])
+
+
+def test_repeat_makes_consecutive_copies():
+    cache = filled()
+    k, lengths = cache.k.clone(), cache.lengths.clone()
+    cache.repeat(3)
+    assert cache.rows == 3 * ROWS
+    for r in range(ROWS):
+        for j in range(3):
+            assert torch.equal(cache.k[:, 3 * r + j, :, :5], k[:, r, :, :5])
+    assert cache.lengths.tolist() == lengths.repeat_interleave(3).tolist()
+
+
+def test_grow_keeps_contents_and_at_least_doubles():
+    cache = filled()
+    k, v = cache.k.clone(), cache.v.clone()
+    cache.grow(CAP)  # already fits: no-op
+    assert cache.capacity == CAP and torch.equal(cache.k, k)
+    cache.grow(CAP + 1)
+    assert cache.capacity == 2 * CAP
+    cache.grow(5 * CAP)
+    assert cache.capacity == 5 * CAP
+    assert torch.equal(cache.k[:, :, :, :5], k[:, :, :, :5]) and torch.equal(cache.v[:, :, :, :5], v[:, :, :, :5])
+    keys, _ = cache.write(0, torch.ones(ROWS, HEADS, 1, DIM, dtype=torch.float64), v[0, :, :, :1], 30)
+    assert keys.shape[2] == 31 and torch.equal(keys[:, :, :5], k[0, :, :, :5])
