@@ -234,6 +234,9 @@ class Decoder:
         `attn_mask` (rows, 1, n, keys) is given. Writes K/V into `cache`; returns hidden states.
         """
         rows, n = x.shape[:2]
+        end = (start if isinstance(start, int) else int(start.max())) + n
+        if self._rope is None or end > self._rope[0].shape[0]:
+            self._ensure_rope(max(end, 2 * cache.capacity))
         cos_t, sin_t = self._rope
         if isinstance(start, int):
             cos, sin = cos_t[start : start + n, None], sin_t[start : start + n, None]
@@ -244,7 +247,7 @@ class Decoder:
             pos = start[:, None] + torch.arange(n, device=x.device)  # (rows, n)
             cos, sin = cos_t[pos][:, :, None], sin_t[pos][:, :, None]
             if attn_mask is None:
-                keys = torch.arange(int(start.max()) + n, device=x.device)
+                keys = torch.arange(end, device=x.device)
                 attn_mask = (keys <= pos[..., None])[:, None]
         h_, d, kvh = self.heads, self.dim_head, self.kv_heads
         dim = x.shape[-1]
