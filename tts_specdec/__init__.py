@@ -7,5 +7,6 @@ from .api import SpeculativeDecoder
 from .decoder import Decoder, Encoded
 from .cache import KVCache
 from .results import Decoded, DecodeStats
+from .generate import generate, patch
 
-__all__ = ["SpeculativeDecoder", "Decoder", "Encoded", "KVCache", "Decoded", "DecodeStats"]
+__all__ = ["SpeculativeDecoder", "Decoder", "Encoded", "KVCache", "Decoded", "DecodeStats", "generate", "patch"]

@@ -1,0 +1,133 @@
+"""Drop-in generate(): spear-tts's arguments and return conventions, our loops underneath."""
+
+import pytest
+import torch
+
+import tts_specdec
+from tts_specdec import SpeculativeDecoder, generate, patch
+from tts_specdec._upstream import _spear, quiet_progress
+from tts_specdec.generate import _filter
+
+from conftest import forward_logits, make_model, make_source
+
+MAX_LENGTH = 16
+TTS = dict(source_type="text", target_type="speech")
+
+
+def upstream(model, source, **kwargs):
+    """spear-tts's own method, even on a patched model."""
+    with quiet_progress():
+        return type(model).generate(model, source, **kwargs)
+
+
+def spear_format(rows, eos, pad, max_length):
+    """Expected padded output: rows (EOS stripped) + EOS when they ended before max_length, then pad."""
+    rows = [r.tolist() + ([eos] if len(r) < max_length else []) for r in rows]
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+
+
+@pytest.fixture(scope="module")
+def patched():
+    model = patch(make_model(0, cond_drop_prob=0.2))
+    return model
+
+
+@pytest.fixture(scope="module")
+def source():
+    return make_source(3, 6, seed=0, lengths=[6, 4, 2])
+
+
+@pytest.mark.parametrize("spec_decode", [False, True])
+@pytest.mark.parametrize("cond_scale", [1.0, 3.0])
+def test_greedy_equals_upstream_greedy(patched, source, spec_decode, cond_scale):
+    kw = dict(TTS, temperature=0.0, max_length=MAX_LENGTH, cond_scale=cond_scale)
+    ref = upstream(patched, source, **kw)
+    out = patched.generate(source, **kw, spec_decode=spec_decode, spec_decode_gamma=3)
+    assert out.dtype == torch.long and torch.equal(out, ref)
+
+
+def test_return_source_and_mask_like_upstream(patched, source):
+    kw = dict(TTS, temperature=0.0, max_length=MAX_LENGTH, return_source=True, return_target_mask=True)
+    ref = upstream(patched, source, **kw)
+    out = patched.generate(source, **kw)
+    assert len(out) == len(ref) == 3
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec_decode", [False, True])
+def test_beam_search_in_spear_format(patched, source, spec_decode):
+    ref = SpeculativeDecoder(patched).beam_search(source, beam_size=3, max_length=MAX_LENGTH)
+    out = patched.generate(
+        source, **TTS, beam_search_decode=True, spec_decode=spec_decode, beam_size=3,
+        spec_decode_gamma=4, max_length=MAX_LENGTH,
+    )
+    expected = spear_format(ref.tokens, patched.eos_id["speech"], patched.semantic_pad_id, MAX_LENGTH)
+    assert torch.equal(out, expected)
+    # EOS kept then padding: what spear-tts's mask_after_eos leaves
+    eos = patched.eos_id["speech"]
+    assert torch.equal(_spear.mask_after_eos(out, eos, patched.semantic_pad_id), out)
+
+
+def test_functional_form_and_cfg_beam(patched, source):
+    kw = dict(TTS, beam_search_decode=True, beam_size=2, max_length=MAX_LENGTH, cond_scale=2.0)
+    ref = SpeculativeDecoder(patched).beam_search(source, beam_size=2, max_length=MAX_LENGTH, cond_scale=2.0)
+    expected = spear_format(ref.tokens, patched.eos_id["speech"], patched.semantic_pad_id, MAX_LENGTH)
+    assert torch.equal(generate(patched, source, **kw, spec_decode=True), expected)
+    assert tts_specdec.generate is generate
+
+
+def test_upstream_default_filter_mapping():
+    vocab = 13  # 12 semantic ids + EOS: spear-tts's top_k keeps ceil(0.1 * 13) = 2
+    assert _filter(_spear.top_k, {}, vocab, 1.0) == (2, None)
+    assert _filter(_spear.top_k, {"thres": 0.5}, vocab, 0.7) == (7, None)
+    assert _filter(_spear.top_k, {"k": 4}, vocab, 1.0) == (4, None)
+    assert _filter(_spear.top_p, {}, vocab, 1.0) == (None, 0.9)
+    assert _filter(_spear.top_p, {"thres": 0.5}, vocab, 0.8) == (None, None)  # order matters: not mapped
+
+
+def test_default_filter_samples_only_top_k(patched, source):
+    """Upstream's default filter keeps ceil(0.1 * V) = 2 tokens: every sampled token is a top-2 token."""
+    torch.manual_seed(0)
+    out = patched.generate(source, **TTS, max_length=MAX_LENGTH, spec_decode=True, spec_decode_gamma=2)
+    dec = SpeculativeDecoder(patched).decoder
+    for row, src in zip(out, source):
+        row = row[row != patched.semantic_pad_id]
+        logits = forward_logits(patched, src[None], row[None, :-1])
+        top2 = logits[0].topk(2, dim=-1).indices
+        assert (top2 == row[:, None]).any(dim=-1).all()
+    assert dec.vocab_size == 13
+
+
+def test_custom_filter_runs_upstream_loop(patched, source):
+    fn = lambda logits: logits  # noqa: E731  (no exact equivalent: spear-tts's loop samples)
+    kw = dict(TTS, max_length=MAX_LENGTH, filter_logits_fn=fn)
+    torch.manual_seed(1)
+    ref = upstream(patched, source, **kw)
+    torch.manual_seed(1)
+    with quiet_progress():
+        out = patched.generate(source, **kw)
+    assert torch.equal(out, ref)
+
+
+def test_speech_to_text_without_exit_head_uses_plain_paths():
+    model = patch(make_model(4, exit_layer=None))
+    speech = torch.randint(0, 12, (2, 7), generator=torch.Generator().manual_seed(0))
+    kw = dict(source_type="speech", target_type="text", max_length=MAX_LENGTH)
+    out = model.generate(speech, **kw, beam_search_decode=True, spec_decode=True, beam_size=2)
+    ref = SpeculativeDecoder(model, source_type="speech", target_type="text").beam_search(
+        speech, beam_size=2, max_length=MAX_LENGTH
+    )
+    assert torch.equal(out, spear_format(ref.tokens, model.eos_id["text"], model.text_pad_id, MAX_LENGTH))
+    greedy = model.generate(speech, **kw, temperature=0.0, spec_decode=True)
+    # spear-tts masks after EOS only when every row ended; we always do (EOS kept, then padding)
+    ref = _spear.mask_after_eos(upstream(model, speech, **kw, temperature=0.0), model.eos_id["text"], 0)
+    assert torch.equal(greedy, ref)
+
+
+def test_rejects_what_it_cannot_honour(patched, source):
+    with pytest.raises(ValueError, match="temperature"):
+        patched.generate(source, **TTS, beam_search_decode=True, temperature=0.5, max_length=4)
+    with pytest.raises(ValueError, match="source_mask"):
+        patched.generate(source, **TTS, source_mask=torch.ones_like(source, dtype=torch.bool), max_length=4)

@@ -1,0 +1,112 @@
+"""Speculative beam search returns exactly what plain beam search returns.
+
+Drafts at the extremes: equal to the target (exit at the last layer, exit head made a copy of the
+final head: every drafted step is accepted), random (the untrained exit head: almost nothing is),
+and partial (exit one layer below the top with the copied head: some cycles accept, some do not).
+"""
+
+import math
+
+import pytest
+import torch
+
+from tts_specdec import SpeculativeDecoder
+
+from conftest import make_model, make_source
+
+DEPTH = 4
+MAX_LENGTH = 14
+
+
+def copy_final_head(model):
+    """Exit head := final head: zero the residual feed-forward, copy final-norm gamma and logit weight."""
+    head = model.to_early_exit_semantic_logits
+    with torch.no_grad():
+        ff_out = head[0].fn[-1]
+        ff_out.weight.zero_()
+        ff_out.bias.zero_()
+        head[1].gamma.copy_(model.target_transformer.final_norm.gamma)
+        head[2].weight.copy_(model.to_logits["speech"].weight)
+    return model
+
+
+def draft_model(kind: str, seed: int = 0, **kwargs):
+    exit_layer = {"equal": DEPTH, "random": 2, "partial": DEPTH - 1}[kind]
+    model = make_model(seed, target_depth=DEPTH, exit_layer=exit_layer, **kwargs)
+    return copy_final_head(model) if kind != "random" else model
+
+
+def assert_same(plain, spec, tol: float = 1e-9):
+    assert [t.tolist() for t in spec.tokens] == [t.tolist() for t in plain.tokens]
+    assert max(abs(a - b) for a, b in zip(spec.scores, plain.scores)) < tol
+
+
+BATCHES = [(1, [6]), (3, [6, 4, 2])]
+
+
+@pytest.mark.parametrize("kind", ["equal", "random", "partial"])
+@pytest.mark.parametrize("beam_size", [1, 2, 4])
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_float64_equals_plain(kind, beam_size, gamma):
+    model = draft_model(kind, dtype=torch.float64)
+    dec = SpeculativeDecoder(model)
+    ended = 0
+    for (batch, lengths), length_penalty in [(b, lp) for b in BATCHES for lp in (0.0, 1.0)]:
+        source = make_source(batch, 6, seed=batch, lengths=lengths)
+        kw = dict(beam_size=beam_size, length_penalty=length_penalty, max_length=MAX_LENGTH)
+        plain = dec.beam_search(source, **kw)
+        spec = dec.beam_search(source, **kw, gamma=gamma)
+        assert_same(plain, spec)
+        ended += sum(t.numel() < MAX_LENGTH for t in plain.tokens)
+        stats = spec.stats
+        assert stats.target_passes == stats.steps and sum(stats.committed_hist) >= stats.steps
+        if kind == "equal" and batch == 1:
+            # every cycle commits gamma + 1 steps until the item is done
+            assert stats.steps == math.ceil(plain.stats.steps / (gamma + 1))
+    assert ended, "EOS never reached: the test does not exercise finished hypotheses"
+
+
+@pytest.mark.parametrize("kind", ["equal", "partial"])
+def test_float64_cfg_equals_plain(kind):
+    model = draft_model(kind, seed=1, dtype=torch.float64, cond_drop_prob=0.2)
+    dec = SpeculativeDecoder(model)
+    source = make_source(3, 6, seed=3, lengths=[6, 3, 5])
+    for beam_size, gamma in [(2, 3), (4, 2)]:
+        kw = dict(beam_size=beam_size, max_length=MAX_LENGTH, cond_scale=3.0)
+        assert_same(dec.beam_search(source, **kw), dec.beam_search(source, **kw, gamma=gamma))
+
+
+@pytest.mark.parametrize("max_length", [1, 2, 5])
+def test_max_length_shorter_than_gamma(max_length):
+    dec = SpeculativeDecoder(draft_model("partial", dtype=torch.float64))
+    source = make_source(3, 5, seed=2, lengths=[5, 2, 4])
+    kw = dict(beam_size=3, max_length=max_length)
+    spec = dec.beam_search(source, **kw, gamma=6, draft_width=5)
+    assert_same(dec.beam_search(source, **kw), spec)
+    assert all(t.numel() <= max_length for t in spec.tokens)
+
+
+def test_wide_draft_and_gqa():
+    model = draft_model("partial", seed=2, dtype=torch.float64, heads=4, kv_heads=2)
+    dec = SpeculativeDecoder(model)
+    source = make_source(3, 6, seed=4, lengths=[6, 6, 1])
+    kw = dict(beam_size=2, max_length=MAX_LENGTH)
+    assert_same(dec.beam_search(source, **kw), dec.beam_search(source, **kw, gamma=4, draft_width=6))
+
+
+def test_float32_many_sources_near_ties_only():
+    """50 random sources in float32: any difference must be a near-tie between final hypotheses."""
+    model = draft_model("partial", seed=3)
+    dec = SpeculativeDecoder(model)
+    lengths = torch.randint(1, 9, (50,), generator=torch.Generator().manual_seed(5)).tolist()
+    source = make_source(50, 8, seed=5, lengths=lengths)
+    kw = dict(beam_size=4, max_length=20)
+    plain, spec = dec.beam_search(source, **kw), dec.beam_search(source, **kw, gamma=3)
+    differ = [i for i in range(50) if not torch.equal(plain.tokens[i], spec.tokens[i])]
+    gaps = [abs(plain.scores[i] - spec.scores[i]) for i in differ]
+    print(f"float32: {len(differ)} of 50 sources differ, score gaps {gaps}")
+    assert all(g < 1e-4 for g in gaps)
+    assert max(abs(a - b) for a, b in zip(plain.scores, spec.scores)) < 1e-4
+    hist = spec.stats.committed_hist
+    assert sum(k * n for k, n in enumerate(hist)) >= plain.stats.steps
+    assert any(hist[2:]), "the partial draft never got a step accepted"
