@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .decoder import Decoder
 from .results import DecodeStats
-from .sampling import SamplingConfig, cfg_mix, draw, greedy_accept, probabilities, speculative_accept
+from .sampling import Acceptance, SamplingConfig, cfg_mix, draw, greedy_accept, probabilities, speculative_accept
 
 
 @dataclass
@@ -78,17 +78,14 @@ def sample_loop(
         t1 = time.perf_counter()
         # verify: the layers above the exit on all gamma + 1 positions at once
         target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)
-        drafts_t = torch.stack(drafts, dim=1) if gamma else target_logits.new_zeros(len(rows.index), 0).long()
-        # accept
-        if cfg.greedy:
-            acc = greedy_accept(target_logits.argmax(dim=-1), drafts_t)
-        else:
-            q_t = torch.stack(q, dim=1) if gamma else target_logits.new_zeros(*drafts_t.shape, target_logits.shape[-1])
-            acc = speculative_accept(probabilities(target_logits, cfg), q_t, drafts_t, generator)
+        # accept: rows keep different numbers of drafts
+        acc = _accept(target_logits, drafts, q, cfg, generator)
         t2 = time.perf_counter()
         # commit
-        emitted = torch.cat((drafts_t, acc.next_token[:, None]), dim=1)
-        emitted.scatter_(1, acc.accepted[:, None], acc.next_token[:, None])
+        emitted = acc.next_token[:, None]
+        if gamma:
+            emitted = torch.cat((torch.stack(drafts, dim=1), emitted), dim=1)
+            emitted.scatter_(1, acc.accepted[:, None], acc.next_token[:, None])
         count = acc.accepted + 1
         ended = _write(out, out_len, final_len, rows.index, emitted, count, dec.eos_id, max_length)
         _count(stats, acc.accepted, gamma, t1 - t0, t2 - t1)
@@ -103,6 +100,21 @@ def sample_loop(
             rows = _Rows(rows.index[keep], rows.pos[keep], rows.x[cache_rows])
     stats.generated_tokens += int(final_len.sum())
     return [out[i, : final_len[i]] for i in range(batch)]
+
+
+def _accept(
+    target_logits: Tensor, drafts: list[Tensor], q: list[Tensor], cfg: SamplingConfig,
+    generator: torch.Generator | None,
+) -> Acceptance:
+    """p at the gamma + 1 verified positions against the drafts; gamma = 0 simply draws from p."""
+    if not drafts:
+        p0 = target_logits[:, 0]
+        token = p0.argmax(dim=-1) if cfg.greedy else draw(probabilities(p0, cfg), generator)
+        return Acceptance(torch.zeros_like(token), token)
+    drafts_t = torch.stack(drafts, dim=1)
+    if cfg.greedy:
+        return greedy_accept(target_logits.argmax(dim=-1), drafts_t)
+    return speculative_accept(probabilities(target_logits, cfg), torch.stack(q, dim=1), drafts_t, generator)
 
 
 def _write(
