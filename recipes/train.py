@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from tts_specdec.speech.checkpoint import FILES, Checkpoint, save_checkpoint
+from tts_specdec.speech.checkpoint import FILES, Checkpoint, load_checkpoint, save_checkpoint
 from tts_specdec.speech.dataset import PairedData, corpus_frames, extract_pairs
 from tts_specdec.speech.model import ModelConfig, build_model
 from tts_specdec.speech.tokenizer import CharTokenizer
@@ -56,6 +56,10 @@ def main() -> None:
     parser.add_argument("--source-depth", type=int, default=ModelConfig.source_depth)
     parser.add_argument("--early-exit-layer", type=int, default=ModelConfig.target_early_exit_layer)
     parser.add_argument("--ff-mult", type=int, default=ModelConfig.ff_mult)
+    parser.add_argument("--warmup", type=int, default=TrainConfig.warmup)
+    parser.add_argument("--init-from", type=Path, help="start from this checkpoint's weights (fresh optimizer)")
+    parser.add_argument("--checkpoint-every", type=int, default=500)
+    parser.add_argument("--max-minutes", type=float, help="end phase 1 early after this long (breaks determinism)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ship", action="store_true", help="copy the result into tts_specdec/assets")
@@ -78,16 +82,26 @@ def main() -> None:
                          dim=args.dim, source_depth=args.source_depth, target_depth=args.target_depth,
                          target_early_exit_layer=args.early_exit_layer, ff_mult=args.ff_mult)
     train_config = TrainConfig(steps=args.steps, distill_steps=args.distill_steps, max_frames=args.max_frames,
-                               lr=args.lr, seed=args.seed, cond_drop_prob=config.cond_drop_prob)
-    model = build_model(config, tokenizer_encode=tokenizer)
+                               lr=args.lr, warmup=args.warmup, seed=args.seed,
+                               cond_drop_prob=config.cond_drop_prob, max_minutes=args.max_minutes)
+    lineage = {}
+    if args.init_from:
+        init = load_checkpoint(args.init_from)
+        if not torch.equal(init.centroids, extractor.centroids):
+            parser.error(f"--init-from {args.init_from} was trained on other k-means units")
+        config, model = init.config, init.model
+        lineage = {"init_from": str(args.init_from), "init_meta": init.meta}
+    else:
+        model = build_model(config, tokenizer_encode=tokenizer)
 
     def snapshot(step: int, stats: dict) -> None:
         meta = {"step": step, "diagnostics": stats}
         save_checkpoint(args.run / "latest", Checkpoint(model, config, tokenizer, extractor.centroids, meta=meta))
 
     started = time.time()
-    result = train(model, train_data, train_config, validation=heldout, on_checkpoint=snapshot)
-    meta = {"train": dataclasses.asdict(train_config), "result": dataclasses.asdict(result),
+    result = train(model, train_data, train_config, validation=heldout, on_checkpoint=snapshot,
+                   checkpoint_every=args.checkpoint_every)
+    meta = {**lineage, "train": dataclasses.asdict(train_config), "result": dataclasses.asdict(result),
             "corpus": str(args.corpus), "train_utterances": len(train_data),
             "train_minutes": round((time.time() - started) / 60, 1), "threads": args.threads}
     out = save_checkpoint(args.run / "checkpoint",

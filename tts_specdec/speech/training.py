@@ -29,6 +29,7 @@ class TrainConfig:
     cond_drop_prob: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
+    max_minutes: Optional[float] = None  # safety valve on a busy machine: end phase 1 early (logged)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class TrainResult:
     steps: int
     distill_steps: int
     seconds: float
+    stopped_early: bool
     final_loss: float
     final_distill_kl: float
     diagnostics: dict
@@ -85,7 +87,7 @@ def train(model: TextToSemantic, data: PairedData, config: TrainConfig,
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                   betas=(0.9, 0.98))
-    loss_value = float("nan")
+    loss_value, steps_done = float("nan"), 0
     bar = tqdm(range(config.steps), desc="train", dynamic_ncols=True)
     for step in bar:
         for group in optimizer.param_groups:
@@ -100,12 +102,15 @@ def train(model: TextToSemantic, data: PairedData, config: TrainConfig,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
-        loss_value = main.item()
+        loss_value, steps_done = main.item(), step + 1
         bar.set_postfix(loss=f"{loss_value:.3f}", early=f"{early.item():.3f}")
         if on_checkpoint and (step + 1) % checkpoint_every == 0:
             stats = diagnostics()
             tqdm.write(f"step {step + 1}: {stats}")
             on_checkpoint(step + 1, stats)
+        if config.max_minutes is not None and time.time() - start > 60 * config.max_minutes:
+            tqdm.write(f"phase 1 stopped at step {step + 1}: --max-minutes {config.max_minutes} reached")
+            break
 
     # phase 2: trunk frozen; the exit head learns the target head's distribution (KL), which is
     # what the speculative acceptance rate (1 - total variation) rewards
@@ -134,4 +139,5 @@ def train(model: TextToSemantic, data: PairedData, config: TrainConfig,
     model.eval()
     stats = diagnostics()
     tqdm.write(f"final: {stats}")
-    return TrainResult(config.steps, config.distill_steps, time.time() - start, loss_value, kl_value, stats)
+    return TrainResult(steps_done, config.distill_steps, time.time() - start, steps_done < config.steps,
+                       loss_value, kl_value, stats)
