@@ -103,8 +103,8 @@ def sequence_table(model: TextToSemantic, source: torch.Tensor, max_length: int,
     Returns {prefix tuple: log-prob vector (vocab,)} computed with upstream forward on all sequences
     of length max_length - 1 over `vocab` tokens (EOS included: prefixes past an EOS are just unused).
     """
-    full = torch.tensor(list(itertools.product(range(vocab), repeat=max_length - 1)), dtype=torch.long)
-    full = full.view(-1, max_length - 1)
+    seqs = list(itertools.product(range(vocab), repeat=max_length - 1))
+    full = torch.tensor(seqs, dtype=torch.long).reshape(len(seqs), max_length - 1)
     logp = forward_logits(model, source.expand(full.shape[0], -1), full).log_softmax(dim=-1)
     table = {}
     for row, seq in enumerate(full.tolist()):

@@ -1,0 +1,116 @@
+"""Beam search: the step function on hand-built log-probs, exhaustive search, spear-tts, batching."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from tts_specdec import SpeculativeDecoder
+from tts_specdec.beam import BeamState, beam_step
+
+from conftest import make_model, make_source, sequence_table, upstream_generate
+
+
+def test_beam_step_sends_top_ranked_eos_to_finished_and_fills_live_beams():
+    eos = 3
+    state = BeamState.initial(1, 2, 1.0, eos, torch.device("cpu"))
+    # first step: only beam 0 expands (the others start at -inf)
+    lp = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.25] * 4]).log()
+    out = beam_step(state, lp)
+    assert out.tokens.tolist() == [0, 1] and out.parents.tolist() == [0, 0]
+    assert state.tokens.tolist() == [[0], [1]] and state.finished == [[]]
+    # second step, candidates best first: beam 1 + EOS (.291), beam 0 + 2 (.25), beam 0 + EOS (.2),
+    # beam 0 + 0 (.03): rank 0 is finished, rank 2 (an EOS past the first K) is dropped
+    lp = torch.tensor([[0.06, 0.04, 0.5, 0.4], [0.01, 0.01, 0.01, 0.97]]).log()
+    s0, s1 = math.log(0.5), math.log(0.3)
+    out = beam_step(state, lp)
+    finished = sorted(state.finished[0], reverse=True)
+    assert len(finished) == 1 and finished[0][2].tolist() == [1, 3]
+    assert finished[0][0] == pytest.approx((s1 + math.log(0.97)) / 2)  # sum / len**1, len incl. EOS
+    assert state.tokens.tolist() == [[0, 2], [0, 0]]
+    assert state.scores[0].tolist() == pytest.approx([s0 + math.log(0.5), s0 + math.log(0.06)])
+    assert out.parents.tolist() == [0, 0] and out.tokens.tolist() == [2, 0] and out.kept.tolist() == [0]
+
+
+def test_beam_step_last_finalises_live_beams():
+    state = BeamState.initial(1, 2, 0.0, None, torch.device("cpu"))
+    beam_step(state, torch.tensor([[0.6, 0.4], [0.5, 0.5]]).log())
+    out = beam_step(state, torch.tensor([[0.9, 0.1], [0.2, 0.8]]).log(), last=True)
+    assert state.active == 0 and out.kept.numel() == 0
+    tokens, score = state.best(0)
+    assert tokens.tolist() == [0, 0] and score == pytest.approx(math.log(0.6 * 0.9))
+    assert len(state.finished[0]) == 2
+
+
+def exhaustive_best(table, vocab, eos, max_length, length_penalty):
+    """Best over every sequence: EOS-terminated ones (len incl. EOS) and EOS-free ones of max_length."""
+    best = (-math.inf, None)
+    for n in range(1, max_length + 1):
+        for body in itertools.product([t for t in range(vocab) if t != eos], repeat=n - 1):
+            ends = [eos] + ([t for t in range(vocab) if t != eos] if n == max_length else [])
+            for last in ends:
+                seq = body + (last,)
+                total = sum(float(table[seq[:i]][seq[i]]) for i in range(n))
+                best = max(best, (total / n**length_penalty, seq))
+    return best
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
+def test_beam_covering_every_sequence_equals_exhaustive_search(length_penalty):
+    """2 tokens + EOS, max_length 4: 31 sequences in all, so beam_size 32 prunes nothing."""
+    vocab, max_length = 3, 4
+    model = make_model(9, semantic_vocab=vocab - 1, dtype=torch.float64)
+    with torch.no_grad():  # EOS as likely as the other tokens, so some winners end early and some do not
+        model.to_logits["speech"].weight[vocab - 1] *= 0.5
+    sources = make_source(4, 6, seed=5, lengths=[6, 3, 5, 6])
+    out = SpeculativeDecoder(model).beam_search(
+        sources, beam_size=32, length_penalty=length_penalty, max_length=max_length
+    )
+    winners = []
+    for i in range(sources.shape[0]):
+        n = int((sources[i] != 0).sum())
+        table = sequence_table(model, sources[i : i + 1, :n], max_length, vocab)
+        score, seq = exhaustive_best(table, vocab, vocab - 1, max_length, length_penalty)
+        winners.append(seq)
+        expected = [t for t in seq if t != vocab - 1]
+        assert out.tokens[i].tolist() == expected, i
+        assert out.scores[i] == pytest.approx(score, rel=1e-9, abs=1e-12)
+    # guard on the data: winners of several lengths, with and without EOS
+    assert len({len(w) for w in winners}) > 1 and any(w[-1] != vocab - 1 for w in winners)
+
+
+@pytest.mark.parametrize("cond_scale", [1.0, 3.0])
+def test_beam_without_eos_equals_upstream_beam_search(cond_scale):
+    model = make_model(10, eos=False, cond_drop_prob=0.5 if cond_scale > 1 else 0.0)
+    source = make_source(3, 6, seed=6, lengths=[6, 2, 4])
+    ours = SpeculativeDecoder(model).beam_search(source, beam_size=3, max_length=8, cond_scale=cond_scale)
+    ref = upstream_generate(model, source, beam_search_decode=True, beam_size=3, max_length=8, cond_scale=cond_scale)
+    for i in range(3):
+        assert ours.tokens[i].tolist() == ref[i].tolist(), i
+    greedy = SpeculativeDecoder(model).sample(source, temperature=0.0, max_length=8, cond_scale=cond_scale)
+    assert any(a.tolist() != b.tolist() for a, b in zip(ours.tokens, greedy.tokens))  # beam search mattered
+
+
+def test_beam_batch_rows_equal_rows_decoded_alone():
+    model = make_model(0)
+    source = make_source(5, 7, seed=2, lengths=[7, 5, 7, 2, 6])
+    dec = SpeculativeDecoder(model)
+    batch = dec.beam_search(source, beam_size=3, max_length=14)
+    lengths = [t.numel() for t in batch.tokens]
+    assert min(lengths) < 14 and max(lengths) == 14, lengths  # some rows end early
+    for i in range(5):
+        n = int((source[i] != 0).sum())
+        alone = dec.beam_search(source[i : i + 1, :n], beam_size=3, max_length=14)
+        assert batch.tokens[i].tolist() == alone.tokens[0].tolist(), i
+        assert batch.scores[i] == pytest.approx(alone.scores[0], rel=1e-5)
+
+
+def test_beam_size_one_without_eos_is_greedy():
+    model = make_model(11, eos=False)
+    source = make_source(2, 6, seed=7)
+    dec = SpeculativeDecoder(model)
+    beam = dec.beam_search(source, beam_size=1, max_length=10, length_penalty=0.0)
+    greedy = dec.sample(source, temperature=0.0, max_length=10)
+    for a, b in zip(beam.tokens, greedy.tokens):
+        assert a.tolist() == b.tolist()

@@ -1,0 +1,116 @@
+"""Bad input fails early with an error that names the argument; training mode is restored."""
+
+import pytest
+import torch
+
+from tts_specdec import SpeculativeDecoder
+
+from conftest import TEXT_VOCAB, make_model, make_source
+
+
+@pytest.fixture(scope="module")
+def dec():
+    return SpeculativeDecoder(make_model(0))
+
+
+@pytest.fixture(scope="module")
+def src():
+    return make_source(2, 5)
+
+
+def test_model_must_be_a_text_to_semantic():
+    with pytest.raises(TypeError, match="model must be a spear_tts_pytorch.TextToSemantic"):
+        SpeculativeDecoder(torch.nn.Linear(2, 2))
+
+
+def test_strings_need_a_tokenizer(dec):
+    with pytest.raises(ValueError, match="source is a list of strings but the model has no tokenizer"):
+        dec.sample(["hello"], max_length=2)
+    with pytest.raises(TypeError, match="source must be a list of strings or a LongTensor"):
+        dec.sample("hello", max_length=2)
+
+
+def test_strings_go_through_the_tokenizer():
+    def encode(texts):
+        rows = [[1 + ord(c) % (TEXT_VOCAB - 1) for c in t] for t in texts]
+        width = max(map(len, rows))
+        return torch.tensor([r + [0] * (width - len(r)) for r in rows])
+
+    model = make_model(0, tokenizer_encode=encode)
+    dec = SpeculativeDecoder(model)
+    texts = ["hi there", "ok"]
+    by_text = dec.sample(texts, temperature=0.0, max_length=6).tokens
+    by_ids = dec.sample(encode(texts), temperature=0.0, max_length=6).tokens
+    assert [t.tolist() for t in by_text] == [t.tolist() for t in by_ids]
+    with pytest.raises(ValueError, match=r"source\[1\] is empty"):
+        dec.sample(["hi", "  "], max_length=2)
+
+
+@pytest.mark.parametrize("bad", [TEXT_VOCAB, -3])
+def test_ids_outside_the_text_vocabulary(dec, src, bad):
+    source = src.clone()
+    source[1, 2] = bad
+    with pytest.raises(ValueError, match=rf"source\[1, 2\] = {bad} is outside the text vocabulary"):
+        dec.sample(source, max_length=2)
+    with pytest.raises(ValueError, match="outside the text vocabulary"):
+        dec.beam_search(source, max_length=2)
+
+
+def test_empty_rows(dec, src):
+    source = src.clone()
+    source[1] = 0
+    with pytest.raises(ValueError, match="source row 1 is empty"):
+        dec.sample(source, max_length=2)
+    with pytest.raises(ValueError, match="source must have shape"):
+        dec.sample(src[:, :0], max_length=2)
+    with pytest.raises(ValueError, match="source must have shape"):
+        dec.sample(src[:0], max_length=2)
+
+
+@pytest.mark.parametrize(
+    "method, kwargs, error, match",
+    [
+        ("sample", dict(max_length=0), ValueError, "max_length must be >= 1"),
+        ("beam_search", dict(max_length=0), ValueError, "max_length must be >= 1"),
+        ("sample", dict(max_length=2.5), TypeError, "max_length must be an int"),
+        ("beam_search", dict(beam_size=0), ValueError, "beam_size must be >= 1"),
+        ("sample", dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+        ("sample", dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
+        ("sample", dict(top_k=0), ValueError, "top_k must be >= 1"),
+        ("sample", dict(temperature=-1.0), ValueError, "temperature must be >= 0"),
+        ("sample", dict(cond_scale=3.0), ValueError, "cond_scale > 1 needs a model trained with cond_drop_prob"),
+        ("beam_search", dict(cond_scale=3.0), ValueError, "cond_scale > 1 needs a model trained with cond_drop_prob"),
+        ("sample", dict(cond_scale=0.5), ValueError, "cond_scale must be >= 1"),
+        ("sample", dict(gamma=-1), ValueError, "gamma must be >= 0"),
+        ("sample", dict(generator=0), TypeError, "generator must be a torch.Generator"),
+    ],
+)
+def test_bad_arguments_name_the_argument(dec, src, method, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        getattr(dec, method)(src, **{"max_length": 2, **kwargs})
+
+
+def test_gamma_needs_an_early_exit_layer(src):
+    dec = SpeculativeDecoder(make_model(0, exit_layer=None))
+    with pytest.raises(ValueError, match="gamma > 0 needs a draft"):
+        dec.sample(src, max_length=2, gamma=2)
+    assert dec.sample(src, max_length=2, gamma=0).tokens[0].numel() <= 2  # plain still works
+
+
+def test_training_model_is_decoded_in_eval_mode_and_put_back():
+    kwargs = dict(attn_dropout=0.5, ff_dropout=0.5)
+    model = make_model(0, **kwargs)
+    src = make_source(2, 5)
+    ref_sample = SpeculativeDecoder(model).sample(src, temperature=0.0, max_length=8).tokens
+    ref_beam = SpeculativeDecoder(model).beam_search(src, beam_size=2, max_length=8).tokens
+    model.train()
+    dec = SpeculativeDecoder(model)
+    sample = dec.sample(src, temperature=0.0, max_length=8).tokens
+    assert model.training and all(m.training for m in model.modules())
+    beam = dec.beam_search(src, beam_size=2, max_length=8).tokens
+    assert model.training and all(m.training for m in model.modules())
+    assert [t.tolist() for t in sample] == [t.tolist() for t in ref_sample]
+    assert [t.tolist() for t in beam] == [t.tolist() for t in ref_beam]
+    model.eval()
+    SpeculativeDecoder(model).sample(src, max_length=2)
+    assert not model.training

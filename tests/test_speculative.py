@@ -1,0 +1,223 @@
+"""sample_loop: plain sampling (gamma = 0) against spear-tts, speculative sampling against plain."""
+
+import itertools
+
+import pytest
+import torch
+
+from tts_specdec import SpeculativeDecoder
+
+from conftest import make_model, make_source, sequence_table, tv, tv_bound, upstream_generate
+
+MAX_LEN = 20
+
+
+def greedy(model, source, **kwargs):
+    return SpeculativeDecoder(model).sample(source, temperature=0.0, **kwargs)
+
+
+def assert_same_tokens(a, b):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.tolist() == y.tolist(), f"row {i}"
+
+
+@pytest.fixture(scope="module")
+def eos_model():
+    """EOS reachable: with this seed and these sources some rows end early and some run to MAX_LEN."""
+    return make_model(0)
+
+
+@pytest.fixture(scope="module")
+def sources():
+    return {1: make_source(1, 7, seed=0), 4: make_source(4, 7, seed=0, lengths=[7, 5, 7, 2]),
+            5: make_source(5, 7, seed=2, lengths=[7, 5, 7, 2, 6])}  # lengths 20, 6, 16, 0, 20
+
+
+def check_eos_mix(tokens, max_length):
+    """Guard on the test data itself: some rows stop at EOS, some reach max_length."""
+    lengths = [t.numel() for t in tokens]
+    assert min(lengths) < max_length and max(lengths) == max_length, lengths
+
+
+# ---- plain (gamma = 0) -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eos", [True, False], ids=["eos", "no_eos"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_plain_greedy_equals_upstream_generate(eos, batch, sources):
+    model = make_model(0, eos=eos)
+    source = sources[batch]
+    ours = greedy(model, source, max_length=MAX_LEN).tokens
+    assert_same_tokens(ours, upstream_generate(model, source, temperature=0.0, max_length=MAX_LEN))
+    if eos and batch == 4:
+        check_eos_mix(ours, MAX_LEN)
+    if not eos:
+        assert all(t.numel() == MAX_LEN for t in ours)
+
+
+def test_plain_greedy_with_guidance_equals_upstream_generate(sources):
+    model = make_model(5, cond_drop_prob=0.5)
+    source = sources[4]
+    ours = greedy(model, source, max_length=MAX_LEN, cond_scale=3.0).tokens
+    ref = upstream_generate(model, source, temperature=0.0, max_length=MAX_LEN, cond_scale=3.0)
+    assert_same_tokens(ours, ref)
+    assert any(a.tolist() != b.tolist() for a, b in zip(ours, greedy(model, source, max_length=MAX_LEN).tokens))
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_batch_rows_equal_rows_decoded_alone(eos_model, sources, gamma):
+    source = sources[5]
+    batch = greedy(eos_model, source, max_length=MAX_LEN, gamma=gamma).tokens
+    check_eos_mix(batch, MAX_LEN)
+    for i in range(source.shape[0]):
+        n = int((source[i] != 0).sum())
+        alone = greedy(eos_model, source[i : i + 1, :n], max_length=MAX_LEN, gamma=gamma).tokens
+        assert batch[i].tolist() == alone[0].tolist(), f"row {i}"
+
+
+def test_plain_first_token_frequencies_follow_softmax(eos_model):
+    n = 20_000
+    source = make_source(1, 6, seed=3)
+    probs = sequence_table(eos_model, source, 1, vocab=13)[()].exp()
+    out = SpeculativeDecoder(eos_model).sample(
+        source.expand(n, -1), temperature=1.0, max_length=1, generator=torch.Generator().manual_seed(0)
+    )
+    eos = eos_model.eos_id["speech"]
+    first = torch.tensor([int(t[0]) if t.numel() else eos for t in out.tokens])  # EOS was stripped
+    assert probs.max() < 0.9  # not degenerate
+    assert tv(torch.bincount(first, minlength=13), probs) < tv_bound(13, n)
+
+
+# ---- speculative ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("gamma", [1, 2, 4, 8])
+def test_speculative_greedy_equals_plain_greedy(eos_model, sources, gamma, batch):
+    source = sources[batch]
+    plain = greedy(eos_model, source, max_length=MAX_LEN).tokens
+    spec = greedy(eos_model, source, max_length=MAX_LEN, gamma=gamma)
+    assert_same_tokens(spec.tokens, plain)
+    if batch == 5:
+        check_eos_mix(plain, MAX_LEN)
+    assert sum(t.numel() for t in plain) == spec.stats.generated_tokens
+
+
+def copy_target_head(model):
+    """Early exit at the last layer with the target head copied: draft logits == target logits."""
+    head = model.to_early_exit_semantic_logits  # Sequential(Residual(FeedForward), RMSNorm, Linear)
+    with torch.no_grad():
+        last = head[0].fn[-1]
+        last.weight.zero_()
+        last.bias.zero_()  # Residual(FeedForward) is now the identity
+        head[1].gamma.copy_(model.target_transformer.final_norm.gamma)
+        head[2].weight.copy_(model.to_logits["speech"].weight)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_draft_equal_to_target_accepts_every_draft(sources, dtype):
+    model = copy_target_head(make_model(6, exit_layer=4, dtype=dtype))
+    source = sources[4]
+    gamma = 4
+    plain = greedy(model, source, max_length=MAX_LEN).tokens
+    spec = greedy(model, source, max_length=MAX_LEN, gamma=gamma)
+    assert_same_tokens(spec.tokens, plain)
+    stats = spec.stats
+    assert stats.alpha == 1.0 and stats.rejections == 0
+    assert stats.accepted_hist[:gamma] == [0] * gamma and stats.accepted_hist[gamma] > 0
+    assert stats.tokens_per_target_pass == gamma + 1
+    # sampling too: p == q, so min(1, p/q) = 1 for every draft
+    sampled = SpeculativeDecoder(model).sample(
+        source, temperature=1.0, max_length=MAX_LEN, gamma=gamma, generator=torch.Generator().manual_seed(1)
+    )
+    assert sampled.stats.alpha == 1.0 and sampled.stats.accepted_hist[:gamma] == [0] * gamma
+
+
+def test_random_draft_head_accepts_almost_nothing(sources):
+    model = make_model(7, eos=False, exit_layer=1)
+    torch.manual_seed(123)
+    with torch.no_grad():  # a head unrelated to the target: re-drawn on its own seed
+        for p in model.to_early_exit_semantic_logits.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 3.0)
+    source = sources[4]
+    plain = greedy(model, source, max_length=MAX_LEN).tokens
+    spec = greedy(model, source, max_length=MAX_LEN, gamma=4)
+    assert_same_tokens(spec.tokens, plain)
+    # greedy acceptance of an unrelated argmax over 12 tokens: about 1/12 per draft
+    assert spec.stats.alpha < 0.25
+    assert spec.stats.accepted_hist[0] > 0.6 * sum(spec.stats.accepted_hist)
+
+
+def test_speculative_greedy_with_guidance_equals_plain(sources):
+    model = make_model(5, cond_drop_prob=0.5)
+    source = sources[4]
+    plain = greedy(model, source, max_length=MAX_LEN, cond_scale=3.0).tokens
+    for gamma in (1, 3):
+        assert_same_tokens(greedy(model, source, max_length=MAX_LEN, cond_scale=3.0, gamma=gamma).tokens, plain)
+
+
+def prefix_law(model, source, length, vocab, top_k=None):
+    """Exact law of the first `length` tokens (no EOS) under sampling at temperature 1 with top-k."""
+    table = sequence_table(model, source, length, vocab)
+    law = torch.zeros([vocab] * length, dtype=torch.float64)
+    for seq in itertools.product(range(vocab), repeat=length):
+        prob = 1.0
+        for n in range(length):
+            logp = table[seq[:n]].double()
+            if top_k is not None:
+                keep = torch.zeros_like(logp, dtype=torch.bool).scatter(0, logp.topk(top_k).indices, True)
+                logp = logp.masked_fill(~keep, float("-inf")).log_softmax(dim=-1)
+            prob *= float(logp[seq[n]].exp())
+        law[seq] = prob
+    return law
+
+
+@pytest.mark.parametrize("top_k", [None, 2])
+@pytest.mark.parametrize("gamma", [0, 2])
+def test_first_tokens_follow_target_law(gamma, top_k):
+    """Empirical law of the first 3 tokens == the exact target law (plain and speculative)."""
+    vocab, length, n = 4, 3, 30_000
+    model = make_model(8, semantic_vocab=vocab, eos=False)
+    source = make_source(1, 5, seed=4)
+    law = prefix_law(model, source, length, vocab, top_k)
+    out = SpeculativeDecoder(model).sample(
+        source.expand(n, -1), temperature=1.0, top_k=top_k, max_length=length, gamma=gamma,
+        generator=torch.Generator().manual_seed(10 + gamma),
+    )
+    seqs = torch.stack(out.tokens)
+    codes = (seqs * torch.tensor([vocab**2, vocab, 1])).sum(dim=1)
+    counts = torch.bincount(codes, minlength=vocab**length)
+    assert tv(counts, law) < tv_bound(vocab**length, n)
+    if gamma:  # the draft is neither always right nor always wrong
+        hist = out.stats.accepted_hist
+        assert hist[0] > 0 and hist[gamma] > 0
+
+
+def test_trunk_runs_once_per_token_beyond_rejected_drafts(sources):
+    """Layers 1..E: every committed position once + every rejected draft once; nothing else.
+
+    Per row and cycle the draft pushes the pending token and gamma drafts through the trunk; a
+    cycle that keeps a drafts commits a + 1 positions and wastes gamma - a. Layers E+1..L run on
+    gamma + 1 positions per row and cycle. Committed positions equal the tokens the rows emitted.
+    """
+    model = make_model(0, eos=False)
+    gamma, source = 3, sources[4]
+    plain = greedy(model, source, max_length=MAX_LEN)
+    spec = greedy(model, source, max_length=MAX_LEN, gamma=gamma)
+    s, e = spec.stats, model.early_exit_layer
+    hist = s.accepted_hist
+    row_cycles = sum(hist)
+    committed = sum((a + 1) * h for a, h in enumerate(hist))
+    rejected = sum((gamma - a) * h for a, h in enumerate(hist))
+    assert 0 < rejected and committed >= 4 * MAX_LEN
+    assert committed - 4 * MAX_LEN < 4 * (gamma + 1)  # only the last cycle may overshoot max_length
+    assert s.layer_evals[:e] == [committed + rejected] * e
+    assert s.layer_evals[e:] == [row_cycles * (gamma + 1)] * (4 - e)
+    assert s.trunk_evals == e * (committed + rejected) and s.upper_evals == (4 - e) * row_cycles * (gamma + 1)
+    assert s.accepted == committed - row_cycles and s.drafted == gamma * row_cycles
+    assert s.steps == s.target_passes and row_cycles >= s.steps
+    # plain decoding pushes each of its positions through every layer exactly once
+    assert plain.stats.layer_evals == [4 * MAX_LEN] * 4
