@@ -97,15 +97,18 @@ def forward_logits(model: TextToSemantic, source: torch.Tensor, target: torch.Te
         )
 
 
-def sequence_table(model: TextToSemantic, source: torch.Tensor, max_length: int, vocab: int) -> dict:
+def sequence_table(
+    model: TextToSemantic, source: torch.Tensor, max_length: int, vocab: int, *, null: bool = False
+) -> dict:
     """Log-probs of every token after every prefix up to max_length - 1, for one source row (1, n).
 
     Returns {prefix tuple: log-prob vector (vocab,)} computed with upstream forward on all sequences
     of length max_length - 1 over `vocab` tokens (EOS included: prefixes past an EOS are just unused).
+    `null` gives the unconditioned (source dropped) log-probs instead.
     """
     seqs = list(itertools.product(range(vocab), repeat=max_length - 1))
     full = torch.tensor(seqs, dtype=torch.long).reshape(len(seqs), max_length - 1)
-    logp = forward_logits(model, source.expand(full.shape[0], -1), full).log_softmax(dim=-1)
+    logp = forward_logits(model, source.expand(full.shape[0], -1), full, null=null).log_softmax(dim=-1)
     table = {}
     for row, seq in enumerate(full.tolist()):
         for n in range(max_length):

@@ -9,7 +9,7 @@ import torch
 from tts_specdec import SpeculativeDecoder
 from tts_specdec.beam import BeamState, beam_step
 
-from conftest import make_model, make_source, sequence_table, upstream_generate
+from conftest import forward_logits, make_model, make_source, sequence_table, upstream_generate
 
 
 def test_beam_step_sends_top_ranked_eos_to_finished_and_fills_live_beams():
@@ -114,3 +114,22 @@ def test_beam_size_one_without_eos_is_greedy():
     greedy = dec.sample(source, temperature=0.0, max_length=10)
     for a, b in zip(beam.tokens, greedy.tokens):
         assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("eos, max_length", [(True, 14), (False, 260)], ids=["eos", "long"])
+def test_beam_scores_are_forward_log_probs(eos, max_length):
+    """Returned score == sum of the full forward's log-probs of the returned sequence (EOS included
+    when it ended early) / len**length_penalty; 260 steps also cross the cache's first allocation."""
+    model = make_model(0, eos=eos)
+    source = make_source(5, 7, seed=2, lengths=[7, 5, 7, 2, 6])[: 5 if eos else 2]
+    out = SpeculativeDecoder(model).beam_search(source, beam_size=3, length_penalty=1.0, max_length=max_length)
+    eos_id = model.eos_id["speech"]
+    for i, tokens in enumerate(out.tokens):
+        ended = tokens.numel() < max_length  # a sequence that ends at EOS is shorter than max_length
+        assert eos or not ended
+        seq = torch.cat((tokens, torch.tensor([eos_id]))) if ended else tokens
+        logp = forward_logits(model, source[i : i + 1], seq[None]).log_softmax(dim=-1)[0]
+        total = float(logp[torch.arange(seq.numel()), seq].sum())
+        assert out.scores[i] == pytest.approx(total / seq.numel(), rel=1e-4)
+    if eos:
+        assert any(t.numel() < max_length for t in out.tokens)

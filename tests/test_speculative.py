@@ -7,7 +7,7 @@ import torch
 
 from tts_specdec import SpeculativeDecoder
 
-from conftest import make_model, make_source, sequence_table, tv, tv_bound, upstream_generate
+from conftest import forward_logits, make_model, make_source, sequence_table, tv, tv_bound, upstream_generate
 
 MAX_LEN = 20
 
@@ -159,14 +159,19 @@ def test_speculative_greedy_with_guidance_equals_plain(sources):
         assert_same_tokens(greedy(model, source, max_length=MAX_LEN, cond_scale=3.0, gamma=gamma).tokens, plain)
 
 
-def prefix_law(model, source, length, vocab, top_k=None):
-    """Exact law of the first `length` tokens (no EOS) under sampling at temperature 1 with top-k."""
+def prefix_law(model, source, length, vocab, top_k=None, cond_scale=1.0):
+    """Exact law of the first `length` tokens (no EOS) at temperature 1, with top-k and CFG.
+
+    CFG mixes log-probs instead of logits: they differ by a per-row constant, which softmax ignores.
+    """
     table = sequence_table(model, source, length, vocab)
+    null = sequence_table(model, source, length, vocab, null=True) if cond_scale > 1 else table
     law = torch.zeros([vocab] * length, dtype=torch.float64)
     for seq in itertools.product(range(vocab), repeat=length):
         prob = 1.0
         for n in range(length):
-            logp = table[seq[:n]].double()
+            cond_lp, null_lp = table[seq[:n]].double(), null[seq[:n]].double()
+            logp = (null_lp + (cond_lp - null_lp) * cond_scale).log_softmax(dim=-1)
             if top_k is not None:
                 keep = torch.zeros_like(logp, dtype=torch.bool).scatter(0, logp.topk(top_k).indices, True)
                 logp = logp.masked_fill(~keep, float("-inf")).log_softmax(dim=-1)
@@ -175,17 +180,22 @@ def prefix_law(model, source, length, vocab, top_k=None):
     return law
 
 
-@pytest.mark.parametrize("top_k", [None, 2])
-@pytest.mark.parametrize("gamma", [0, 2])
-def test_first_tokens_follow_target_law(gamma, top_k):
+@pytest.mark.parametrize(
+    "gamma, top_k, cond_scale",
+    [(0, None, 1.0), (2, None, 1.0), (0, 2, 1.0), (2, 2, 1.0), (2, None, 3.0)],
+    ids=["plain", "spec", "plain-topk", "spec-topk", "spec-cfg"],
+)
+def test_first_tokens_follow_target_law(gamma, top_k, cond_scale):
     """Empirical law of the first 3 tokens == the exact target law (plain and speculative)."""
     vocab, length, n = 4, 3, 30_000
-    model = make_model(8, semantic_vocab=vocab, eos=False)
+    model = make_model(8, semantic_vocab=vocab, eos=False, cond_drop_prob=0.5 if cond_scale > 1 else 0.0)
     source = make_source(1, 5, seed=4)
-    law = prefix_law(model, source, length, vocab, top_k)
+    law = prefix_law(model, source, length, vocab, top_k, cond_scale)
+    if cond_scale > 1:  # guidance moves the law visibly
+        assert 0.5 * float((law - prefix_law(model, source, length, vocab)).abs().sum()) > 0.1
     out = SpeculativeDecoder(model).sample(
         source.expand(n, -1), temperature=1.0, top_k=top_k, max_length=length, gamma=gamma,
-        generator=torch.Generator().manual_seed(10 + gamma),
+        cond_scale=cond_scale, generator=torch.Generator().manual_seed(10 + gamma),
     )
     seqs = torch.stack(out.tokens)
     codes = (seqs * torch.tensor([vocab**2, vocab, 1])).sum(dim=1)
@@ -194,6 +204,16 @@ def test_first_tokens_follow_target_law(gamma, top_k):
     if gamma:  # the draft is neither always right nor always wrong
         hist = out.stats.accepted_hist
         assert hist[0] > 0 and hist[gamma] > 0
+
+
+def test_long_greedy_outputs_are_forward_argmax(sources):
+    """Past the cache's first allocation (256 positions): every greedy token is the argmax of the
+    full forward's logits after its prefix, for plain and speculative decoding."""
+    model, source, length = make_model(0, eos=False), sources[4][:2], 300
+    plain = greedy(model, source, max_length=length).tokens
+    logits = forward_logits(model, source, torch.stack(plain))
+    assert torch.equal(torch.stack(plain), logits[:, :-1].argmax(dim=-1))
+    assert_same_tokens(greedy(model, source, max_length=length, gamma=4).tokens, plain)
 
 
 def test_trunk_runs_once_per_token_beyond_rejected_drafts(sources):
