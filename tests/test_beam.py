@@ -133,3 +133,52 @@ def test_beam_scores_are_forward_log_probs(eos, max_length):
         assert out.scores[i] == pytest.approx(total / seq.numel(), rel=1e-4)
     if eos:
         assert any(t.numel() < max_length for t in out.tokens)
+
+
+def reference_beam_search(model, source, beam_size, length_penalty, max_length):
+    """DESIGN.md's beam semantics written out directly over full forward passes, one item at a time."""
+    k, eos = beam_size, model.eos_id["speech"]
+    live, finished = [((), 0.0)], []  # (tokens, summed log-prob); finished: (normalised score, tokens)
+    for t in range(max_length):
+        prefixes = torch.tensor([seq for seq, _ in live], dtype=torch.long).reshape(len(live), t)
+        logp = forward_logits(model, source.expand(len(live), -1), prefixes)[:, -1].double().log_softmax(-1)
+        cands = [(score + float(logp[b, tok]), seq + (tok,)) for b, (seq, score) in enumerate(live)
+                 for tok in range(logp.shape[1])]
+        cands.sort(key=lambda c: -c[0])
+        live = []
+        for rank, (score, seq) in enumerate(cands[: 2 * k]):
+            if seq[-1] == eos:
+                if rank < k:
+                    finished.append((score / (t + 1) ** length_penalty, seq))
+                continue
+            live.append((seq, score))
+            if len(live) == k:
+                break
+        if t + 1 == max_length:
+            finished += [(score / (t + 1) ** length_penalty, seq) for seq, score in live]
+            break
+        finished = sorted(finished, key=lambda f: -f[0])[:k]
+        best_live = max(score for _, score in live)
+        if len(finished) == k and best_live / (t + 1) ** length_penalty <= finished[-1][0]:
+            break  # stopped by the rule, with live beams left
+    score, seq = max(finished, key=lambda f: f[0])
+    return [tok for tok in seq if tok != eos], score, t + 1
+
+
+@pytest.mark.parametrize("beam_size, length_penalty", [(2, 1.0), (3, 0.0), (3, 2.0)])
+def test_beam_equals_reference_semantics_with_pruning(beam_size, length_penalty):
+    """Beams much narrower than the sequence space: pruning, the finished set and the stopping rule
+    all matter, and the batched search must make the same decisions as the written-out semantics."""
+    model = make_model(12, dtype=torch.float64)
+    source = make_source(4, 7, seed=8, lengths=[7, 5, 3, 6])
+    out = SpeculativeDecoder(model).beam_search(
+        source, beam_size=beam_size, length_penalty=length_penalty, max_length=12
+    )
+    steps = []
+    for i in range(source.shape[0]):
+        tokens, score, n = reference_beam_search(model, source[i : i + 1], beam_size, length_penalty, 12)
+        assert out.tokens[i].tolist() == tokens, i
+        assert out.scores[i] == pytest.approx(score, rel=1e-9)
+        steps.append(n)
+    assert min(steps) < 12  # the stopping rule ended some items before max_length
+    assert out.stats.steps == max(steps)  # the batch runs until its last item is done

@@ -153,10 +153,23 @@ def test_random_draft_head_accepts_almost_nothing(sources):
 
 def test_speculative_greedy_with_guidance_equals_plain(sources):
     model = make_model(5, cond_drop_prob=0.5)
-    source = sources[4]
+    source = sources[5]
     plain = greedy(model, source, max_length=MAX_LEN, cond_scale=3.0).tokens
+    check_eos_mix(plain, MAX_LEN)
     for gamma in (1, 3):
         assert_same_tokens(greedy(model, source, max_length=MAX_LEN, cond_scale=3.0, gamma=gamma).tokens, plain)
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+@pytest.mark.parametrize("filt", [dict(top_k=1), dict(top_p=1e-6)], ids=["top_k=1", "top_p=1e-6"])
+def test_sampling_with_a_single_candidate_is_greedy(eos_model, sources, gamma, filt):
+    """top_k = 1 or a tiny top_p leave one token: sampling at any temperature is then greedy decoding."""
+    plain = greedy(eos_model, sources[5], max_length=MAX_LEN).tokens
+    out = SpeculativeDecoder(eos_model).sample(
+        sources[5], temperature=1.5, max_length=MAX_LEN, gamma=gamma, generator=torch.Generator().manual_seed(0),
+        **filt,
+    )
+    assert_same_tokens(out.tokens, plain)
 
 
 def prefix_law(model, source, length, vocab, top_k=None, cond_scale=1.0):
