@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=50, help="held-out sentences")
     parser.add_argument("--modes", default="plain,spec,beam,spec-beam")
     parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--cond-scale", type=float, default=1.0, help="classifier-free guidance scale")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -44,7 +45,8 @@ def main() -> None:
     if references is None:
         sys.exit("espeak-ng is not installed: no references, so no quality figures (apt-get install espeak-ng)")
     speech = load_default() if args.checkpoint is None else load_speech_model(args.checkpoint)
-    results = [run_mode(speech, texts, m, batch_size=args.batch_size, references=references) for m in modes]
+    results = [run_mode(speech, texts, m, batch_size=args.batch_size, references=references,
+                        cond_scale=args.cond_scale) for m in modes]
     ceiling = vocoder_ceiling(speech, references)
     print(markdown_table(results, ceiling, {}))
     if args.json:

@@ -27,7 +27,8 @@ from tts_specdec.speech.checkpoint import FILES, Checkpoint, load_checkpoint, sa
 from tts_specdec.speech.dataset import PairedData, corpus_frames, extract_pairs
 from tts_specdec.speech.model import ModelConfig, build_model
 from tts_specdec.speech.tokenizer import CharTokenizer
-from tts_specdec.speech.training import TrainConfig, train
+from tts_specdec.speech.self_distill import greedy_pairs
+from tts_specdec.speech.training import TrainConfig, diagnostics, distill_exit_head, train
 from tts_specdec.speech.units import MelKMeans, fit_kmeans, save_kmeans
 
 ASSETS = Path(__file__).resolve().parents[1] / "tts_specdec" / "assets"
@@ -60,6 +61,9 @@ def main() -> None:
     parser.add_argument("--init-from", type=Path, help="start from this checkpoint's weights (fresh optimizer)")
     parser.add_argument("--checkpoint-every", type=int, default=500)
     parser.add_argument("--max-minutes", type=float, help="end phase 1 early after this long (breaks determinism)")
+    parser.add_argument("--self-distill", type=int, default=0,
+                        help="then distil the exit head on the model's own greedy units for this many sentences")
+    parser.add_argument("--self-distill-steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ship", action="store_true", help="copy the result into tts_specdec/assets")
@@ -101,6 +105,13 @@ def main() -> None:
     started = time.time()
     result = train(model, train_data, train_config, validation=heldout, on_checkpoint=snapshot,
                    checkpoint_every=args.checkpoint_every)
+    if args.self_distill:
+        own = greedy_pairs(model, train_data, args.self_distill, seed=args.seed)
+        distill_exit_head(model, own, train_config, args.self_distill_steps, args.seed + 2)
+        model.eval()
+        lineage["self_distill"] = {"sentences": args.self_distill, "steps": args.self_distill_steps,
+                                   "diagnostics": diagnostics(model, heldout)}
+        print(f"after self-distillation: {lineage['self_distill']['diagnostics']}")
     meta = {**lineage, "train": dataclasses.asdict(train_config), "result": dataclasses.asdict(result),
             "corpus": str(args.corpus), "train_utterances": len(train_data),
             "train_minutes": round((time.time() - started) / 60, 1), "threads": args.threads}

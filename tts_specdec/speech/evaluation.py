@@ -67,12 +67,14 @@ class ModeResult:
 
 
 def run_mode(speech: SpeechModel, texts: list[str], mode: Mode | str, *, batch_size: int = 1,
-             references: Optional[list[torch.Tensor]] = None, seed: int = 0) -> ModeResult:
+             references: Optional[list[torch.Tensor]] = None, seed: int = 0,
+             cond_scale: float = 1.0) -> ModeResult:
     """Synthesise `texts` in batches with one mode; with references, also the quality figures."""
     mode = MODES[mode] if isinstance(mode, str) else mode
     result = ModeResult(mode.name)
     for start in tqdm(range(0, len(texts), batch_size), desc=mode.name, unit="batch", leave=False):
-        result.add(synthesize(speech, texts[start:start + batch_size], mode, seed=seed + start))
+        result.add(synthesize(speech, texts[start:start + batch_size], mode, seed=seed + start,
+                                   cond_scale=cond_scale))
     if references is not None:
         result.quality = evaluate_wavs(result.wavs, references)
     return result
