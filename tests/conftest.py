@@ -14,9 +14,6 @@ import torch
 
 from tts_specdec._upstream import TextToSemantic, quiet_progress
 
-# Tiny models run faster on one thread than on two busy cores fighting over a 32-wide matmul.
-torch.set_num_threads(1)
-
 TEXT_VOCAB = 20
 SEMANTIC_VOCAB = 12
 
@@ -133,6 +130,11 @@ def tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * float((counts / counts.sum() - probs.double().flatten()).abs().sum())
 
 
-@pytest.fixture(scope="session")
-def model():
-    return make_model(0)
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one thread than on busy cores fighting over a 32-wide matmul.
+    Decoding test modules use it through `pytestmark`; other test modules keep torch's setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

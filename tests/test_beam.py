@@ -11,6 +11,8 @@ from tts_specdec.beam import BeamState, beam_step
 
 from conftest import forward_logits, make_model, make_source, sequence_table, upstream_generate
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_beam_step_sends_top_ranked_eos_to_finished_and_fills_live_beams():
     eos = 3

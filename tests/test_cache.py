@@ -5,6 +5,8 @@ import torch
 
 from tts_specdec.cache import KVCache
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LAYERS, ROWS, HEADS, CAP, DIM = 2, 4, 2, 8, 3
 
 

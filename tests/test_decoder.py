@@ -10,6 +10,8 @@ from tts_specdec.sampling import cfg_mix
 
 from conftest import forward_logits, make_model, make_source
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOL = {torch.float32: 1e-5, torch.float64: 1e-9}  # relative to the logits' magnitude
 # Weight scale per dtype. At std 0.5 upstream's own float32 forward is already ~1.4e-5 away from its
 # float64 forward (the activations grow layer by layer), so no float32 implementation could meet 1e-5

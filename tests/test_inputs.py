@@ -7,6 +7,8 @@ from tts_specdec import SpeculativeDecoder
 
 from conftest import TEXT_VOCAB, make_model, make_source
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def dec():
@@ -65,6 +67,17 @@ def test_empty_rows(dec, src):
         dec.sample(src[:, :0], max_length=2)
     with pytest.raises(ValueError, match="source must have shape"):
         dec.sample(src[:0], max_length=2)
+
+
+def test_source_must_be_right_padded_integer_ids(dec, src):
+    source = src.clone()
+    source[0, 1] = 0  # a pad followed by real tokens
+    with pytest.raises(ValueError, match="source rows must be right-padded"):
+        dec.sample(source, max_length=2)
+    with pytest.raises(TypeError, match="source must hold integer token ids"):
+        dec.sample(src.float(), max_length=2)
+    with pytest.raises(ValueError, match="source_type must be 'text' or 'speech'"):
+        SpeculativeDecoder(dec.model, source_type="audio")
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,8 @@ from tts_specdec.sampling import (
 
 from conftest import tv, tv_bound
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 P = torch.tensor(
     [
         [0.50, 0.20, 0.20, 0.10, 0.00],

@@ -9,6 +9,8 @@ from tts_specdec import SpeculativeDecoder
 
 from conftest import forward_logits, make_model, make_source, sequence_table, tv, tv_bound, upstream_generate
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MAX_LEN = 20
 
 
