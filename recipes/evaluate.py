@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tts_specdec.speech import MODES, load_default, load_speech_model
+from tts_specdec.speech.pipeline import DEFAULT_COND_SCALE
 from tts_specdec.speech.evaluation import run_mode, vocoder_ceiling
 from tts_specdec.speech.references import heldout_sentences, reference_wavs
 from tts_specdec.speech.report import markdown_table
@@ -29,7 +30,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=50, help="held-out sentences")
     parser.add_argument("--modes", default="plain,spec,beam,spec-beam")
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--cond-scale", type=float, default=1.0, help="classifier-free guidance scale")
+    parser.add_argument("--cond-scale", type=float, default=DEFAULT_COND_SCALE, help="classifier-free guidance scale")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from tts_specdec.speech import MODES, SpeechModel, load_default, load_speech_model, synthesize
 from tts_specdec.speech.audio import write_wav
+from tts_specdec.speech.pipeline import DEFAULT_COND_SCALE
 from tts_specdec.speech.evaluation import run_mode, vocoder_ceiling
 from tts_specdec.speech.references import heldout_sentences, reference_wavs
 from tts_specdec.speech.report import markdown_table, spectrogram_figure
@@ -28,15 +29,16 @@ from tts_specdec.speech.report import markdown_table, spectrogram_figure
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
 
 
-def one(speech: SpeechModel, text: str, mode: str, out: Path) -> None:
-    result = synthesize(speech, [text], mode)
+def one(speech: SpeechModel, text: str, mode: str, out: Path, cond_scale: float) -> None:
+    result = synthesize(speech, [text], mode, cond_scale=cond_scale)
     write_wav(out, result.wavs[0])
     stats = result.stats
     print(f"{out}: {result.audio_seconds:.2f} s of audio, {stats.generated_tokens} units in "
           f"{result.decode_seconds:.2f} s ({stats.tokens_per_second:.0f} tokens/s, mode {mode})")
 
 
-def many(speech: SpeechModel, texts_file: Path, mode: str, out_dir: Path, batch_size: int) -> None:
+def many(speech: SpeechModel, texts_file: Path, mode: str, out_dir: Path, batch_size: int,
+         cond_scale: float) -> None:
     if not texts_file.is_file():
         raise FileNotFoundError(f"--texts: no such file: {texts_file}")
     lines = [line.strip() for line in texts_file.read_text(encoding="utf-8").splitlines()]
@@ -44,12 +46,13 @@ def many(speech: SpeechModel, texts_file: Path, mode: str, out_dir: Path, batch_
     print(f"{len(jobs)} of {sum(map(bool, lines))} lines to synthesise into {out_dir}/")
     for start in tqdm(range(0, len(jobs), batch_size), desc=mode, unit="batch"):
         batch = jobs[start:start + batch_size]
-        result = synthesize(speech, [t for _, t in batch], mode)
+        result = synthesize(speech, [t for _, t in batch], mode, cond_scale=cond_scale)
         for (i, _), wav in zip(batch, result.wavs):
             write_wav(out_dir / f"{i:05d}.wav", wav)
 
 
-def demo(speech: SpeechModel, out_dir: Path, n_eval: int, n_samples: int, modes: list[str]) -> None:
+def demo(speech: SpeechModel, out_dir: Path, n_eval: int, n_samples: int, modes: list[str],
+         cond_scale: float) -> None:
     """The main job: every mode on held-out sentences; wavs, a spectrogram figure and a report."""
     texts = heldout_sentences(n_eval)
     references = reference_wavs(texts)
@@ -60,7 +63,7 @@ def demo(speech: SpeechModel, out_dir: Path, n_eval: int, n_samples: int, modes:
     started = time.time()
     results = {}
     for mode in modes:
-        results[mode] = run_mode(speech, texts, mode, references=references)
+        results[mode] = run_mode(speech, texts, mode, references=references, cond_scale=cond_scale)
         r = results[mode]
         print(f"{mode:>9}: {r.tokens_per_second:6.0f} tokens/s, RTF {r.real_time_factor:.3f}, "
               f"{r.tokens_per_target_pass:.2f} tokens per target pass"
@@ -87,12 +90,12 @@ def demo(speech: SpeechModel, out_dir: Path, n_eval: int, n_samples: int, modes:
             same = all(torch.equal(a, b) for a, b in zip(units[fast], units[slow]))
             identical[fast] = f"`{slow}`: {'yes' if same else 'NO'}"
     write_readme(out_dir, speech, list(results.values()), ceiling, identical, texts, ids, n_samples,
-                 time.time() - started)
+                 time.time() - started, cond_scale)
     print(f"wrote {out_dir}/ in {time.time() - started:.0f} s")
 
 
 def write_readme(out_dir: Path, speech: SpeechModel, results, ceiling, identical, texts, ids,
-                 n_samples: int, seconds: float) -> None:
+                 n_samples: int, seconds: float, cond_scale: float) -> None:
     config = speech.config
     n = results[0].utterances if results else 0
     lines = [
@@ -107,7 +110,8 @@ def write_readme(out_dir: Path, speech: SpeechModel, results, ceiling, identical
         "early-exit head as draft (gamma 4); `beam` = beam search (4 beams); `spec-beam` = speculative "
         "beam search (4 beams, gamma 4). Greedy is used for the sampling modes so that `plain` and "
         "`spec` can be compared unit for unit; with temperature > 0 speculative sampling keeps the "
-        "target's distribution but not the same draws.",
+        "target's distribution but not the same draws. Classifier-free guidance scale "
+        f"(`cond_scale`) {cond_scale:g} in every mode.",
         "",
         markdown_table(results, ceiling, identical),
         "- tokens/s: semantic units generated per second of decoding (50 units = 1 s of audio).",
@@ -147,6 +151,8 @@ def main() -> None:
     parser.add_argument("--n-eval", type=int, default=50, help="demo: held-out sentences to score")
     parser.add_argument("--n-samples", type=int, default=5, help="demo: sentences whose wavs are kept")
     parser.add_argument("--modes", default="plain,spec,beam,spec-beam", help="demo: comma-separated modes")
+    parser.add_argument("--cond-scale", type=float, default=DEFAULT_COND_SCALE,
+                        help="classifier-free guidance scale (1 = off)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
@@ -158,9 +164,9 @@ def main() -> None:
     speech = load_default() if args.checkpoint is None else load_speech_model(args.checkpoint)
     try:
         if args.text is not None:
-            one(speech, args.text, args.mode, args.out or Path("out.wav"))
+            one(speech, args.text, args.mode, args.out or Path("out.wav"), args.cond_scale)
         elif args.texts is not None:
-            many(speech, args.texts, args.mode, args.out or Path("out"), args.batch_size)
+            many(speech, args.texts, args.mode, args.out or Path("out"), args.batch_size, args.cond_scale)
         else:
             modes = [m.strip() for m in args.modes.split(",") if m.strip()]
             unknown = [m for m in modes if m not in MODES]
@@ -168,7 +174,7 @@ def main() -> None:
                 parser.error(f"--modes: unknown {unknown}; choose from {sorted(MODES)}")
             if not 1 <= args.n_samples <= args.n_eval:
                 parser.error("--n-samples must be between 1 and --n-eval")
-            demo(speech, args.out or SAMPLES, args.n_eval, args.n_samples, modes)
+            demo(speech, args.out or SAMPLES, args.n_eval, args.n_samples, modes, args.cond_scale)
     except (ValueError, TypeError, FileNotFoundError) as error:
         sys.exit(f"error: {error}")
 

@@ -20,6 +20,8 @@ from .units import MelKMeans
 from .vocoder import CentroidVocoder
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+# classifier-free guidance for the recipes: the shipped model was trained with condition dropout
+DEFAULT_COND_SCALE = 1.0
 
 
 @dataclass
