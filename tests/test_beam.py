@@ -137,13 +137,18 @@ def test_beam_scores_are_forward_log_probs(eos, max_length):
         assert any(t.numel() < max_length for t in out.tokens)
 
 
-def reference_beam_search(model, source, beam_size, length_penalty, max_length):
+def reference_beam_search(model, source, beam_size, length_penalty, max_length, cond_scale=1.0):
     """DESIGN.md's beam semantics written out directly over full forward passes, one item at a time."""
     k, eos = beam_size, model.eos_id["speech"]
     live, finished = [((), 0.0)], []  # (tokens, summed log-prob); finished: (normalised score, tokens)
     for t in range(max_length):
         prefixes = torch.tensor([seq for seq, _ in live], dtype=torch.long).reshape(len(live), t)
-        logp = forward_logits(model, source.expand(len(live), -1), prefixes)[:, -1].double().log_softmax(-1)
+        sources = source.expand(len(live), -1)
+        logits = forward_logits(model, sources, prefixes)[:, -1]
+        if cond_scale > 1:
+            null = forward_logits(model, sources, prefixes, null=True)[:, -1]
+            logits = null + (logits - null) * cond_scale
+        logp = logits.double().log_softmax(-1)
         cands = [(score + float(logp[b, tok]), seq + (tok,)) for b, (seq, score) in enumerate(live)
                  for tok in range(logp.shape[1])]
         cands.sort(key=lambda c: -c[0])
@@ -167,18 +172,22 @@ def reference_beam_search(model, source, beam_size, length_penalty, max_length):
     return [tok for tok in seq if tok != eos], score, t + 1
 
 
-@pytest.mark.parametrize("beam_size, length_penalty", [(2, 1.0), (3, 0.0), (3, 2.0)])
-def test_beam_equals_reference_semantics_with_pruning(beam_size, length_penalty):
+@pytest.mark.parametrize(
+    "beam_size, length_penalty, cond_scale", [(2, 1.0, 1.0), (3, 0.0, 1.0), (3, 2.0, 1.0), (3, 0.5, 3.0)]
+)
+def test_beam_equals_reference_semantics_with_pruning(beam_size, length_penalty, cond_scale):
     """Beams much narrower than the sequence space: pruning, the finished set and the stopping rule
     all matter, and the batched search must make the same decisions as the written-out semantics."""
-    model = make_model(12, dtype=torch.float64)
+    model = make_model(12, dtype=torch.float64, cond_drop_prob=0.5 if cond_scale > 1 else 0.0)
     source = make_source(4, 7, seed=8, lengths=[7, 5, 3, 6])
     out = SpeculativeDecoder(model).beam_search(
-        source, beam_size=beam_size, length_penalty=length_penalty, max_length=12
+        source, beam_size=beam_size, length_penalty=length_penalty, max_length=12, cond_scale=cond_scale
     )
     steps = []
     for i in range(source.shape[0]):
-        tokens, score, n = reference_beam_search(model, source[i : i + 1], beam_size, length_penalty, 12)
+        tokens, score, n = reference_beam_search(
+            model, source[i : i + 1], beam_size, length_penalty, 12, cond_scale
+        )
         assert out.tokens[i].tolist() == tokens, i
         assert out.scores[i] == pytest.approx(score, rel=1e-9)
         steps.append(n)

@@ -165,3 +165,16 @@ def test_float32_rounding_is_no_worse_than_upstream():
         dec, enc, cache, x = setup(model, source, target)
         ours = dec.target_logits(run_chunks(dec, enc, cache, x, [1] * (T + 1))).double()
     assert rel_err(ours, truth) <= rel_err(upstream, truth)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_incremental_logits_equal_forward(dtype):
+    model = make_model(0, heads=4, kv_heads=2, dtype=dtype, std=STD[dtype])
+    source, target = make_source(3, 8, lengths=[8, 5, 2]), targets(3)
+    ref = forward_logits(model, source, target)  # upstream on CPU
+    model = model.cuda()
+    with torch.no_grad():
+        dec, enc, cache, x = setup(model, source.cuda(), target.cuda())
+        logits = dec.target_logits(run_chunks(dec, enc, cache, x, [1, 4, 5])).cpu()
+    assert rel_err(logits, ref) < TOL[dtype]
