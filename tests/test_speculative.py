@@ -50,12 +50,17 @@ def check_eos_mix(tokens, max_length):
 def test_plain_greedy_equals_upstream_generate(eos, batch, sources):
     model = make_model(0, eos=eos)
     source = sources[batch]
-    ours = greedy(model, source, max_length=MAX_LEN).tokens
+    out = greedy(model, source, max_length=MAX_LEN)
+    ours = out.tokens
     assert_same_tokens(ours, upstream_generate(model, source, temperature=0.0, max_length=MAX_LEN))
     if eos and batch == 4:
         check_eos_mix(ours, MAX_LEN)
     if not eos:
         assert all(t.numel() == MAX_LEN for t in ours)
+    # finished rows stop: a row runs one step per token it kept, plus the step that drew its EOS
+    steps = [t.numel() + int(t.numel() < MAX_LEN) for t in ours]
+    assert out.stats.steps == max(steps)
+    assert out.stats.layer_evals == [sum(steps)] * len(model.target_transformer.layers)
 
 
 def test_plain_greedy_with_guidance_equals_upstream_generate(sources):
