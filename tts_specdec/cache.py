@@ -81,6 +81,15 @@ class KVCache:
             self.v = self._gathered(self.v, index, high)
         self.lengths = self.lengths[index]
 
+    def move_slots(self, rows: Tensor, src: Tensor, dst: Tensor) -> None:
+        """Within each row, copy K/V (all layers) from slots src (rows, s) to slots dst (rows, s).
+
+        Sources are gathered before anything is written, so overlapping src and dst are safe.
+        """
+        r = rows[:, None].expand_as(src)
+        self.k[:, r, :, dst] = self.k[:, r, :, src]
+        self.v[:, r, :, dst] = self.v[:, r, :, src]
+
     def repeat(self, n: int) -> None:
         """Each row becomes n consecutive copies of itself (one per beam)."""
         self.reorder(torch.arange(self.rows, device=self.lengths.device).repeat_interleave(n))

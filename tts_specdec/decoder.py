@@ -227,18 +227,27 @@ class Decoder:
         enc: Encoded,
         cache: KVCache,
         attn_mask: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
-        """Run decoder `layers` on x (rows, n, dim) placed at positions start..start+n-1 of each row.
+        """Run decoder `layers` on x (rows, n, dim) placed at cache slots start..start+n-1 of each row.
 
-        Each query attends to its own row's cached keys at positions <= its own (causal), unless
-        `attn_mask` (rows, 1, n, keys) is given. Writes K/V into `cache`; returns hidden states.
+        Each query attends to its own row's cached keys at slots <= its own (causal), unless
+        `attn_mask` (rows, 1, n, keys) is given. Rotary positions are the slots unless `positions`
+        (rows, n) says otherwise (tree drafts: a node's position is its depth, not its slot).
+        Writes K/V into `cache`; returns hidden states.
         """
         rows, n = x.shape[:2]
         end = (start if isinstance(start, int) else int(start.max())) + n
+        if positions is not None:
+            end = max(end, int(positions.max()) + 1)
         if self._rope is None or end > self._rope[0].shape[0]:
             self._ensure_rope(max(end, 2 * cache.capacity))
         cos_t, sin_t = self._rope
-        if isinstance(start, int):
+        if positions is not None:
+            if attn_mask is None:
+                raise ValueError("positions other than the slots need an explicit attn_mask")
+            cos, sin = cos_t[positions][:, :, None], sin_t[positions][:, :, None]
+        elif isinstance(start, int):
             cos, sin = cos_t[start : start + n, None], sin_t[start : start + n, None]
             if attn_mask is None and n > 1:
                 keys = torch.arange(start + n, device=x.device)

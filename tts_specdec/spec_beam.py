@@ -1,15 +1,16 @@
 """Exact speculative beam search: the early-exit head drafts beam continuations, the target verifies.
 
-Per cycle, every active item at its own length t:
-  draft   beam search with the exit head for gamma levels from the K live beams (width W), keeping
-          every node: parent, token, exit state, and its layer 1..E K/V in a cache row of its path
-  verify  ONE pass of layers E+1..L over every root-to-end path of the draft tree (one cache row per
-          path, gamma + 1 positions), giving the target log-probs after every node, roots included
-  replay  `beam.beam_step` on those log-probs while every live beam is a verified node; the first step
-          whose new beams leave the tree is still committed (its log-probs were exact)
-  commit  new beam j's cache = the path row of its parent node (reorder), cropped to t + steps
-Each cache row is one path of the draft tree: the root's cache, then its descendants at slots t + d.
-A node that loses all its children keeps its row ("dead" row) so the verify pass still reaches it.
+Per cycle, every active item at its own length t (its live beams' pending inputs sit at slot t):
+  draft   beam search with the exit head for gamma levels from the K live beams, width W per level;
+          every node is kept in its root beam's own cache row, at the next free slot after t, with
+          its rotary position t + depth (tree attention: a node sees the committed prefix and its
+          own ancestors only), so drafting copies no cache
+  verify  ONE pass of layers E+1..L over every node of every root row (roots included): the target
+          log-probs after every draft node and after every live beam
+  replay  `beam.beam_step` on those log-probs while every live beam is a verified node; the first
+          step whose new beams leave the tree is still committed (its log-probs were exact)
+  commit  new beam j = its root's row (one reorder per cycle), its accepted path's K/V moved from
+          their tree slots to slots t+1.., cropped to t + committed steps
 The result is token for token what `beam.beam_search_loop` returns.
 """
 
@@ -27,32 +28,31 @@ from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .results import DecodeStats
 from .sampling import cfg_mix
-from .speculative import _per_row, _start
 
 
 @dataclass
 class _Live:
-    """Active items at the start of a cycle; beams live in the batch dimension (item-major)."""
+    """Active items at the start of a cycle; root row a*K + j is beam j of active item a."""
 
     items: list[int]  # original index of each active item
     states: list[BeamState]  # one per active item: items advance by different numbers of steps
-    pos: Tensor  # (A,) generated tokens = slot of every live beam's pending input
+    pos: Tensor  # (A,) generated tokens = slot and position of every live beam's pending input
     x: Tensor  # (A * K * g, 1, dim) pending inputs (not yet through any layer)
-    enc: Encoded  # one entry per item (A * g rows)
+    enc: Encoded  # one entry per cache row
 
 
 @dataclass
 class _Tree:
-    """The draft forest of one cycle; node ids are level-major, roots first (root a*K + j)."""
+    """The draft forest of one cycle. Node ids: roots 0..R-1 (= root rows), then in creation order."""
 
-    parent: Tensor  # (N,) parent node, -1 for roots
+    row: Tensor  # (N,) root row holding the node
+    index: Tensor  # (N,) the node's place in its row: slot = t + index (roots: 0)
     depth: Tensor  # (N,)
-    path: Tensor  # (N, gamma + 1) ancestors by depth ending in the node itself, -1 past its depth
-    h: Tensor  # (N, g, dim) exit states (g = 2 rows per node under CFG)
+    parent: Tensor  # (N,) parent node, -1 for roots
+    anc: Tensor  # (R, M, M) anc[r, i, j]: node j of row r is an ancestor of node i, or i itself
+    h: Tensor  # (R * g, M, dim) exit states by row and index
+    count: Tensor  # (R,) nodes per row
     children: dict[tuple[int, int], int]  # (parent node, token) -> node
-    row_node: Tensor  # (P,) the node each cache row's path ends at
-    row_item: Tensor  # (P,) active item of each cache row
-    enc: Encoded  # source of each cache row
 
 
 @dataclass
@@ -60,7 +60,7 @@ class _Advance:
     """What replay committed for one item."""
 
     steps: int
-    parents: list[int] | None  # node whose path row each new live beam continues; None: item done
+    parents: list[int] | None  # the node each new live beam extends; None: the item is done
     tokens: Tensor | None  # (K,) pending input of each new live beam
 
 
@@ -81,27 +81,28 @@ def spec_beam_search_loop(
     guided = cond_scale > 1
     width = min(draft_width, k * dec.vocab_size)
     enc = dec.encode(source, guided)
-    cache = dec.new_cache(batch * k * (2 if guided else 1), min(max_length, 256) + gamma + 2)
+    enc = enc.select(dec.rows(torch.arange(batch, device=device).repeat_interleave(k), guided))
+    cache = dec.new_cache(enc.rows, min(max_length, 256) + 2 + gamma * width)
     states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device) for _ in range(batch)]
     live = _Live(list(range(batch)), states, torch.zeros(batch, dtype=torch.long, device=device),
-                 dec.start(cache.rows), enc)
+                 dec.start(enc.rows), enc)
     done: dict[int, BeamState] = {}
     stats.committed_hist = [0] * (gamma + 2)
     while live.items:
         # no drafting past max_length: replay can commit at most max_length - t steps
         levels = min(gamma, max_length - 1 - int(live.pos.min()))
-        cache.grow(int(live.pos.max()) + levels + 2)
+        cache.grow(int(live.pos.max()) + 2 + levels * width)
         t0 = time.perf_counter()
         tree = draft(dec, live, cache, levels, width, cond_scale)
         t1 = time.perf_counter()
-        logprobs, canon = verify(dec, live, tree, cache, levels, cond_scale)
+        logprobs = verify(dec, live, tree, cache, cond_scale)
         t2 = time.perf_counter()
         advances = replay(live, tree, logprobs, max_length)
         for a, adv in enumerate(advances):
             stats.committed_hist[adv.steps] += 1
             if adv.parents is None:
                 done[live.items[a]] = live.states[a]
-        live = commit(dec, live, advances, canon, cache, guided)
+        live = commit(dec, live, tree, advances, cache, guided)
         stats.steps += 1
         stats.target_passes += 1
         stats.draft_passes += levels
@@ -111,87 +112,96 @@ def spec_beam_search_loop(
     return [t for t, _ in best], [s for _, s in best]
 
 
-def draft(dec: Decoder, live: _Live, cache: KVCache, gamma: int, width: int, cond_scale: float) -> _Tree:
-    """Beam search with the exit head, gamma levels of width W per item; every node is kept.
-
-    Cache rows are [dead paths..., frontier paths...]; each level reorders them so every frontier
-    node's row holds its own ancestors, and appends frontier nodes that got no child as dead rows.
-    """
+def draft(dec: Decoder, live: _Live, cache: KVCache, levels: int, width: int, cond_scale: float) -> _Tree:
+    """Beam search with the exit head for `levels` levels of width W per item; every node is kept."""
     guided = cond_scale > 1
     g = 2 if guided else 1
     a_n, k = len(live.states), live.states[0].beam_size
-    device, vocab, eos = live.pos.device, dec.vocab_size, dec.eos_id
-    n_max = a_n * (k + gamma * width)
-    path = torch.full((n_max, gamma + 1), -1, dtype=torch.long, device=device)
+    r_n, device, vocab, eos = a_n * k, live.pos.device, dec.vocab_size, dec.eos_id
+    m_max = 1 + levels * width
+    t = live.pos.repeat_interleave(k)  # (R,) slot of each root
+    n_max = r_n + levels * a_n * width
+    row = torch.zeros(n_max, dtype=torch.long, device=device)
+    index = torch.zeros(n_max, dtype=torch.long, device=device)
     depth = torch.zeros(n_max, dtype=torch.long, device=device)
     parent = torch.full((n_max,), -1, dtype=torch.long, device=device)
     tokens = torch.zeros(n_max, dtype=torch.long, device=device)
-    front = torch.arange(a_n * k, device=device)  # frontier node ids, in row order after the dead rows
-    path[front, 0] = front
-    front_item = torch.arange(a_n, device=device).repeat_interleave(k)
-    score = torch.cat([s.scores for s in live.states]).flatten()  # (A*K,) target scores of the roots
-    row_node, row_item, dead = front.clone(), front_item.clone(), 0
-    enc = live.enc.select(dec.rows(row_item, guided))
-    x, hs, n_nodes = live.x, [], a_n * k
-    trunk = range(dec.exit_layer)
-    for d in range(gamma + 1):
-        # dead rows run too (run() takes every cache row); their outputs and writes are never read
-        h = dec.run(x, _start(live.pos[row_item] + d, guided), trunk, enc, cache)[:, -1]
-        h = h.view(-1, g, h.shape[-1])[dead:]
-        hs.append(h)
-        if d == gamma:
+    row[:r_n] = torch.arange(r_n, device=device)
+    anc = torch.zeros(r_n, m_max, m_max, dtype=torch.bool, device=device)
+    anc[:, 0, 0] = True
+    count = torch.ones(r_n, dtype=torch.long, device=device)
+    hs = live.x.new_zeros(r_n * g, m_max, live.x.shape[-1])
+    score = torch.cat([s.scores for s in live.states]).flatten()  # (R,) target scores of the roots
+    level = torch.arange(r_n, device=device)  # nodes of the current level, item-major
+    x, n_nodes, trunk = live.x, r_n, range(dec.exit_layer)
+    for d in range(levels + 1):
+        # lay this level's nodes out per row: (R, c) with padding where a row got fewer
+        lrow, lidx = row[level], index[level]
+        c = int(torch.bincount(lrow, minlength=r_n).max())
+        col = lidx - (count - torch.bincount(lrow, minlength=r_n))[lrow]  # 0.. within the row's level
+        slot_of = torch.full((r_n, c), -1, dtype=torch.long, device=device)
+        slot_of[lrow, col] = lidx
+        real = slot_of >= 0
+        first = count - torch.bincount(lrow, minlength=r_n)  # index of the row's first new node
+        idx = torch.where(real, slot_of, first[:, None] + torch.arange(c, device=device))
+        if d > 0:
+            xs = x.new_zeros(r_n * g, c, x.shape[-1])
+            xs.view(r_n, g, c, -1)[lrow, :, col] = x.view(-1, g, x.shape[-1])
+            x = xs
+        h = dec.run(x, _rows(t + first, g), trunk, live.enc, cache,
+                    attn_mask=_tree_mask(anc, idx, real, t, t + first + c, g),
+                    positions=_rows((t + d)[:, None].expand(-1, c), g))
+        hv = h.view(r_n, g, c, -1)
+        hs.view(r_n, g, m_max, -1)[lrow, :, lidx] = hv[lrow, :, col]
+        if d == levels:
             break
-        lp = _logprobs(dec.draft_logits(h.flatten(0, 1)), cond_scale)
+        # expand: candidates of every node of this level, top W per item by draft score
+        lp = _logprobs(dec.draft_logits(hv[lrow, :, col].flatten(0, 1)), cond_scale)
         if eos is not None:
             lp[:, eos] = -math.inf  # EOS ends a hypothesis: it is never a node to expand
-        per = front.numel() // a_n
+        per = level.numel() // a_n
         cand = (score.to(lp.dtype)[:, None] + lp).view(a_n, per * vocab)
-        top, index = cand.topk(width, dim=1)
-        par = (torch.arange(a_n, device=device)[:, None] * per + index // vocab).flatten()  # frontier slot
-        new = torch.arange(n_nodes, n_nodes + a_n * width, device=device)
-        parent[new], tokens[new], depth[new] = front[par], (index % vocab).flatten(), d + 1
-        path[new] = path[front[par]]
-        path[new, d + 1] = new
+        top, flat = cand.topk(min(width, per * vocab), dim=1)
+        par = level.view(a_n, per).gather(1, flat // vocab).flatten()
+        new = torch.arange(n_nodes, n_nodes + par.numel(), device=device)
+        prow = row[par]
+        # index within the row: after the row's existing nodes, in creation order
+        order = torch.argsort(prow * new.numel() + torch.arange(new.numel(), device=device))
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(new.numel(), device=device)
+        before = torch.cumsum(torch.bincount(prow, minlength=r_n), 0) - torch.bincount(prow, minlength=r_n)
+        nidx = count[prow] + rank - before[prow]
+        row[new], index[new], depth[new], parent[new], tokens[new] = prow, nidx, d + 1, par, (flat % vocab).flatten()
+        anc[prow, nidx] = anc[prow, index[par]]
+        anc[prow, nidx, nidx] = True
+        count += torch.bincount(prow, minlength=r_n)
         n_nodes += new.numel()
-        # rows: keep dead rows, add frontier nodes without children, duplicate parents for the new level
-        orphan = torch.ones(front.numel(), dtype=torch.bool, device=device)
-        orphan[par] = False
-        orphan = orphan.nonzero()[:, 0]
-        index_rows = torch.cat((torch.arange(dead, device=device), dead + orphan, dead + par))
-        cache_rows = dec.rows(index_rows, guided)
-        cache.reorder(cache_rows)
-        enc = enc.select(cache_rows)
-        row_node = torch.cat((row_node[:dead], front[orphan], new))
-        row_item = torch.cat((row_item[:dead], front_item[orphan], front_item[par]))
-        dead += orphan.numel()
-        front, front_item, score = new, front_item[par], top.flatten()
-        pending = dec.embed(tokens[new][:, None], guided)
-        x = torch.cat((pending.new_zeros(dead * g, 1, pending.shape[-1]), pending))
+        level, score = new, top.flatten()
+        x = dec.embed(tokens[new][:, None], guided)
     children = {
-        (p, t): n + a_n * k
-        for n, (p, t) in enumerate(zip(parent[a_n * k : n_nodes].tolist(), tokens[a_n * k : n_nodes].tolist()))
+        (p, tk): n + r_n
+        for n, (p, tk) in enumerate(zip(parent[r_n:n_nodes].tolist(), tokens[r_n:n_nodes].tolist()))
     }
-    return _Tree(parent[:n_nodes], depth[:n_nodes], path[:n_nodes], torch.cat(hs), children, row_node, row_item, enc)
+    return _Tree(row[:n_nodes], index[:n_nodes], depth[:n_nodes], parent[:n_nodes], anc, hs, count, children)
 
 
-def verify(
-    dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, gamma: int, cond_scale: float
-) -> tuple[Tensor, Tensor]:
-    """One target pass (layers E+1..L) over every path row; returns (log-probs after each node (N, V),
-    the row each node's log-probs came from (N,))."""
+def verify(dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, cond_scale: float) -> Tensor:
+    """One target pass (layers E+1..L) over every node of every root row; log-probs per node (N, V)."""
     guided = cond_scale > 1
-    paths = tree.path[tree.row_node]  # (P, gamma + 1)
-    valid = paths >= 0
-    # exit states along each path; positions past a dead path's end get any state, never read
-    x = tree.h[paths.clamp(min=0)].transpose(1, 2).flatten(0, 1)  # (P * g, gamma + 1, dim)
+    g = 2 if guided else 1
+    k = live.states[0].beam_size
+    r_n = tree.count.numel()
+    t = live.pos.repeat_interleave(k)
+    m = int(tree.count.max())
+    idx = torch.arange(m, device=t.device).expand(r_n, m)
+    real = idx < tree.count[:, None]
+    depth = torch.zeros(r_n, m, dtype=torch.long, device=t.device)
+    depth[tree.row, tree.index] = tree.depth
     upper = range(dec.exit_layer, dec.depth)
-    h = dec.run(x, _start(live.pos[tree.row_item], guided), upper, tree.enc, cache)
-    lp = _logprobs(dec.target_logits(h), cond_scale)  # (P, gamma + 1, V)
-    rows = torch.arange(paths.shape[0], device=paths.device)[:, None].expand_as(paths)
-    n = tree.parent.numel()
-    canon = torch.full((n,), paths.shape[0], dtype=torch.long, device=paths.device)
-    canon = canon.scatter_reduce(0, paths[valid], rows[valid], reduce="amin")  # first row holding the node
-    return lp[canon, tree.depth], canon
+    h = dec.run(tree.h[:, :m], _rows(t, g), upper, live.enc, cache,
+                attn_mask=_tree_mask(tree.anc, idx, real, t, t + m, g), positions=_rows(t[:, None] + depth, g))
+    lp = _logprobs(dec.target_logits(h), cond_scale)  # (R, m, V)
+    return lp[tree.row, tree.index]
 
 
 def replay(live: _Live, tree: _Tree, logprobs: Tensor, max_length: int) -> list[_Advance]:
@@ -220,28 +230,63 @@ def replay(live: _Live, tree: _Tree, logprobs: Tensor, max_length: int) -> list[
 
 
 def commit(
-    dec: Decoder, live: _Live, advances: list[_Advance], canon: Tensor, cache: KVCache, guided: bool
+    dec: Decoder, live: _Live, tree: _Tree, advances: list[_Advance], cache: KVCache, guided: bool
 ) -> _Live:
-    """Each new live beam continues its parent node's path row; finished items drop their rows."""
+    """New beam j takes its root's row, then its accepted path's K/V move to slots t+1.., t+steps-1."""
     kept = [a for a, adv in enumerate(advances) if adv.parents is not None]
-    device = live.pos.device
+    device, k = live.pos.device, live.states[0].beam_size
+    if not kept:
+        return _Live([], [], live.pos[:0], live.x[:0], live.enc)
     kept_t = torch.tensor(kept, dtype=torch.long, device=device)
     steps = torch.tensor([advances[a].steps for a in kept], dtype=torch.long, device=device)
     pos = live.pos[kept_t] + steps
-    if not kept:
-        return _Live([], [], pos, live.x[:0], live.enc)
-    rows = canon[torch.tensor([p for a in kept for p in advances[a].parents], device=device)]
-    cache.reorder(dec.rows(rows, guided))
-    k = live.states[0].beam_size
-    cache.crop(_per_row(pos.repeat_interleave(k), guided))
+    node = torch.tensor([p for a in kept for p in advances[a].parents], dtype=torch.long, device=device)
+    cache.reorder(dec.rows(tree.row[node], guided))
+    # the accepted path of each new beam: ancestors of its parent node at depths 1..steps-1
+    s_max = int(steps.max()) - 1
+    if s_max > 0:
+        path = torch.zeros(node.numel(), s_max, dtype=torch.long, device=device)
+        cur = node.clone()
+        for _ in range(s_max):  # walk up: depth d node goes to column d - 1
+            d = tree.depth[cur]
+            has = d > 0
+            path[has, (d - 1)[has]] = tree.index[cur][has]
+            cur = torch.where(has, tree.parent[cur], cur)
+        t = live.pos[kept_t].repeat_interleave(k)
+        span = torch.arange(1, s_max + 1, device=device)
+        valid = span <= (steps.repeat_interleave(k) - 1)[:, None]
+        dst = t[:, None] + span
+        src = torch.where(valid, t[:, None] + path, dst)  # invalid columns copy a slot onto itself
+        rows = torch.arange(node.numel(), device=device)
+        cache.move_slots(dec.rows(rows, guided), _rows(src, 2 if guided else 1), _rows(dst, 2 if guided else 1))
+    cache.crop(_rows(pos.repeat_interleave(k), 2 if guided else 1))
     tokens = torch.cat([advances[a].tokens for a in kept])
+    item_rows = (kept_t[:, None] * k + torch.arange(k, device=device)).flatten()
     return _Live(
         [live.items[a] for a in kept],
         [live.states[a] for a in kept],
         pos,
         dec.embed(tokens[:, None], guided),
-        live.enc.select(dec.rows(kept_t, guided)),
+        live.enc.select(dec.rows(item_rows, guided)),
     )
+
+
+def _tree_mask(anc: Tensor, idx: Tensor, real: Tensor, t: Tensor, end: Tensor, g: int) -> Tensor:
+    """(R*g, 1, c, keys) bool: a query node sees slots < t (the committed prefix) and the slots of its
+    own ancestors; a padding query sees only its own slot (its output is never read)."""
+    r_n, m = anc.shape[0], anc.shape[1]
+    keys = torch.arange(int(end.max()), device=t.device)
+    rel = keys[None, :] - t[:, None]  # (R, keys) tree index of each key slot
+    in_tree = (rel >= 0) & (rel < m)
+    own = anc[torch.arange(r_n, device=t.device)[:, None], idx.clamp(max=m - 1)]  # (R, c, M)
+    tree = own.gather(2, rel.clamp(0, m - 1)[:, None, :].expand(-1, idx.shape[1], -1)) & in_tree[:, None, :]
+    mask = (rel < 0)[:, None, :] | tree
+    mask = torch.where(real[..., None], mask, rel[:, None, :] == idx[..., None])
+    return _rows(mask, g)[:, None]
+
+
+def _rows(t: Tensor, g: int) -> Tensor:
+    return t.repeat_interleave(g, dim=0) if g > 1 else t
 
 
 def _logprobs(logits: Tensor, cond_scale: float) -> Tensor:
