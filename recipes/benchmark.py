@@ -69,14 +69,24 @@ def reference_model(seed: int, device: str, distill_steps: int) -> Setup:
     return Setup(model, source, 200, f"random-init reference model (issue 2), exit head distilled {distill_steps} steps")
 
 
-def default_model(device: str) -> Setup:
-    from tts_specdec.speech import load_default
+def default_model(device: str, checkpoint: Path | None = None, batch: int = 1) -> Setup:
+    """The shipped checkpoint (or another speech checkpoint directory) on held-out-style sentences."""
+    from tts_specdec.speech import load_speech_model
 
-    bundle = load_default()
+    bundle = load_speech_model(checkpoint)
     model = bundle.model.to(device).eval()
-    text = "The quick brown fox jumps over the lazy dog near the river bank."
-    source = model.tokenizer_encode([text]).to(device)
-    return Setup(model, source, 2048, f"shipped checkpoint, input: {text!r}")
+    texts = list(HELD_OUT_TEXTS[:batch])
+    source = model.tokenizer_encode(texts).to(device)
+    name = f"checkpoint {checkpoint}" if checkpoint else "shipped checkpoint"
+    return Setup(model, source, 2048, f"{name}, batch {batch}: {texts!r}")
+
+
+HELD_OUT_TEXTS = (
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Seven ships sailed north before the storm reached the harbour.",
+    "Please call me back after four o'clock tomorrow.",
+    "A quiet garden grows behind the old stone library.",
+)
 
 
 def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
@@ -116,12 +126,14 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
         modes.append(Mode(f"spear-tts generate (beam {k})", upstream(beam_search_decode=True, beam_size=k)))
     modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k), None if args.skip_upstream_beam else f"spear-tts generate (beam {k})"))
     if has_exit and _has_spec_beam():
-        modes.append(Mode(f"ours speculative beam (beam {k}, gamma={g})", ours("beam_search", beam_size=k, gamma=g), f"ours beam search (beam {k})"))
+        bg, w = args.beam_gamma, args.draft_width or k
+        modes.append(Mode(f"ours speculative beam (beam {k}, gamma={bg}, W={w})",
+                          ours("beam_search", beam_size=k, gamma=bg, draft_width=w), f"ours beam search (beam {k})"))
         dropin = _dropin(model)
         if dropin is not None and not args.skip_upstream_beam:
             def run_dropin() -> tuple[int, None]:
                 out = dropin(source, source_type="text", target_type="speech", max_length=n,
-                             beam_search_decode=True, spec_decode=True, beam_size=k, spec_decode_gamma=g)
+                             beam_search_decode=True, spec_decode=True, beam_size=k, spec_decode_gamma=bg, draft_width=w)
                 eos = model.eos_id["speech"] if model.autoset_eos_id["speech"] else None
                 keep = out != model.semantic_pad_id
                 if eos is not None:
@@ -240,11 +252,15 @@ def print_table(result: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["reference", "default"], default="reference")
+    p.add_argument("--checkpoint", type=Path, help="with --model default: a speech checkpoint directory")
+    p.add_argument("--batch", type=int, default=1, help="with --model default: sentences per batch (1-4)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--beam-size", type=int, default=4)
+    p.add_argument("--beam-gamma", type=int, default=3, help="draft levels per cycle of speculative beam search")
+    p.add_argument("--draft-width", type=int, default=12, help="draft beam width W (>= beam size)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--distill-steps", type=int, default=300, help="reference model: exit-head distillation steps")
@@ -254,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.reps < 1:
         p.error("--reps must be >= 1")
     torch.set_num_threads(args.threads)
-    setup = reference_model(args.seed, args.device, args.distill_steps) if args.model == "reference" else default_model(args.device)
+    setup = reference_model(args.seed, args.device, args.distill_steps) if args.model == "reference" else default_model(args.device, args.checkpoint, args.batch)
     modes = build_modes(setup, args)
     measure(modes, args.reps)
     result = report(setup, modes, args)
