@@ -28,16 +28,25 @@ class Encoded:
 
     keys: list[Tensor]  # per layer: (rows, heads, 1 + source_len, dim_head), null key first
     values: list[Tensor]
-    mask: Tensor  # (rows, 1, 1, 1 + source_len) bool, True = attend
+    mask: Tensor | None  # (rows, 1, 1, 1 + source_len) additive (0 or -inf); None: nothing masked
     guided: bool  # rows come in (cond, null) pairs
 
     @property
     def rows(self) -> int:
-        return self.mask.shape[0]
+        return self.keys[0].shape[0]
 
     def select(self, rows: Tensor) -> "Encoded":
         pick = lambda ts: [t.index_select(0, rows) for t in ts]  # noqa: E731
-        return Encoded(pick(self.keys), pick(self.values), self.mask.index_select(0, rows), self.guided)
+        mask = None if self.mask is None else self.mask.index_select(0, rows)
+        return Encoded(pick(self.keys), pick(self.values), mask, self.guided)
+
+
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """Boolean attention mask (True = attend) -> additive float mask, built once instead of inside
+    every layer's attention call; None when nothing is masked."""
+    if mask is None or bool(mask.all()):
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def _rms_weight(norm: torch.nn.Module) -> Tensor:
@@ -154,7 +163,7 @@ class Decoder:
             mask = torch.stack((mask, null_mask), dim=1).flatten(0, 1)
             keys = [k.repeat_interleave(2, dim=0) for k in keys]
             values = [v.repeat_interleave(2, dim=0) for v in values]
-        return Encoded(keys, values, mask[:, None, None, :], guided)
+        return Encoded(keys, values, _additive(mask[:, None, None, :], states.dtype), guided)
 
     # ---- rows and cache ----------------------------------------------------------------------
 
@@ -258,6 +267,8 @@ class Decoder:
             if attn_mask is None:
                 keys = torch.arange(end, device=x.device)
                 attn_mask = (keys <= pos[..., None])[:, None]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = _additive(attn_mask, x.dtype)
         h_, d, kvh = self.heads, self.dim_head, self.kv_heads
         dim = x.shape[-1]
         weights = self._weights()

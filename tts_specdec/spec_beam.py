@@ -28,6 +28,7 @@ from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .results import DecodeStats
 from .sampling import cfg_mix
+from .speculative import _start
 
 
 @dataclass
@@ -198,7 +199,7 @@ def verify(dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, cond_scale: f
     depth = torch.zeros(r_n, m, dtype=torch.long, device=t.device)
     depth[tree.row, tree.index] = tree.depth
     upper = range(dec.exit_layer, dec.depth)
-    h = dec.run(tree.h[:, :m], _rows(t, g), upper, live.enc, cache,
+    h = dec.run(tree.h[:, :m], _start(t, guided), upper, live.enc, cache,
                 attn_mask=_tree_mask(tree.anc, idx, real, t, t + m, g), positions=_rows(t[:, None] + depth, g))
     lp = _logprobs(dec.target_logits(h), cond_scale)  # (R, m, V)
     return lp[tree.row, tree.index]
