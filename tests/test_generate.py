@@ -10,6 +10,8 @@ from tts_specdec.generate import _filter
 
 from conftest import forward_logits, make_model, make_source
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 MAX_LENGTH = 16
 TTS = dict(source_type="text", target_type="speech")
 

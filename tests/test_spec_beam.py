@@ -14,6 +14,8 @@ from tts_specdec import SpeculativeDecoder
 
 from conftest import make_model, make_source
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 DEPTH = 4
 MAX_LENGTH = 14
 
