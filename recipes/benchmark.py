@@ -77,8 +77,11 @@ def default_model(device: str, checkpoint: Path | None = None, batch: int = 1) -
     model = bundle.model.to(device).eval()
     texts = list(HELD_OUT_TEXTS[:batch])
     source = model.tokenizer_encode(texts).to(device)
+    from tts_specdec.speech.pipeline import default_max_length
+
     name = f"checkpoint {checkpoint}" if checkpoint else "shipped checkpoint"
-    return Setup(model, source, 2048, f"{name}, batch {batch}: {texts!r}")
+    # the pipeline's length cap: spear-tts beam search only stops when every beam has emitted EOS
+    return Setup(model, source, default_max_length(source), f"{name}, batch {batch}: {texts!r}")
 
 
 HELD_OUT_TEXTS = (
