@@ -129,7 +129,7 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     else:
         keep = [i for i in range(a) if not _is_done(state, i, norm)]
     kept = torch.tensor(keep, dtype=torch.long, device=device)
-    rows = (kept[:, None] * k + torch.arange(k, device=device)).flatten()
+    rows = item_rows(kept, k)
     state.items = [state.items[i] for i in keep]
     state.tokens = state.tokens[rows]
     state.scores = state.scores[kept]
@@ -178,11 +178,12 @@ def beam_search_loop(
         rows = dec.rows(out.parents, guided)
         cache.reorder(rows)
         if rows.numel() != enc.rows:
-            enc = enc.select(dec.rows(_item_rows(out.kept, k), guided))
+            enc = enc.select(dec.rows(item_rows(out.kept, k), guided))
         x = dec.embed(out.tokens[:, None], guided)
     best = [state.best(i) for i in range(batch)]
     return [t for t, _ in best], [s for _, s in best], steps
 
 
-def _item_rows(items: Tensor, k: int) -> Tensor:
+def item_rows(items: Tensor, k: int) -> Tensor:
+    """Rows of the K beams of each of `items` (beams live in the batch dimension, item-major)."""
     return (items[:, None] * k + torch.arange(k, device=items.device)).flatten()

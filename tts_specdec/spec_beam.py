@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .beam import BeamState, beam_step
+from .beam import BeamState, beam_step, item_rows
 from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .results import DecodeStats
@@ -262,13 +262,12 @@ def commit(
         cache.move_slots(dec.rows(rows, guided), _rows(src, 2 if guided else 1), _rows(dst, 2 if guided else 1))
     cache.crop(_rows(pos.repeat_interleave(k), 2 if guided else 1))
     tokens = torch.cat([advances[a].tokens for a in kept])
-    item_rows = (kept_t[:, None] * k + torch.arange(k, device=device)).flatten()
     return _Live(
         [live.items[a] for a in kept],
         [live.states[a] for a in kept],
         pos,
         dec.embed(tokens[:, None], guided),
-        live.enc.select(dec.rows(item_rows, guided)),
+        live.enc.select(dec.rows(item_rows(kept_t, k), guided)),
     )
 
 
