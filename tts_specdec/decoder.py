@@ -161,8 +161,8 @@ class Decoder:
         if guided:
             null_mask = F.pad(torch.zeros_like(mask[:, 1:]), (1, 0), value=True)
             mask = torch.stack((mask, null_mask), dim=1).flatten(0, 1)
-            keys = [k.repeat_interleave(2, dim=0) for k in keys]
-            values = [v.repeat_interleave(2, dim=0) for v in values]
+            keys = [self.per_row(k, guided) for k in keys]
+            values = [self.per_row(v, guided) for v in values]
         return Encoded(keys, values, _additive(mask[:, None, None, :], states.dtype), guided)
 
     # ---- rows and cache ----------------------------------------------------------------------
@@ -173,6 +173,19 @@ class Decoder:
         if not guided:
             return index
         return torch.stack((2 * index, 2 * index + 1), dim=1).flatten()
+
+    @staticmethod
+    def per_row(per_seq: Tensor, guided: bool) -> Tensor:
+        """A tensor indexed by sequence (dim 0) -> indexed by cache/context row."""
+        return per_seq.repeat_interleave(2, dim=0) if guided else per_seq
+
+    @staticmethod
+    def start_of(pos: Tensor, guided: bool) -> int | Tensor:
+        """Per-sequence start slots for `run`: an int when all are equal (the cache's fast path)."""
+        first = int(pos[0])
+        if bool((pos == first).all()):
+            return first
+        return Decoder.per_row(pos, guided)
 
     def new_cache(self, rows: int, capacity: int) -> KVCache:
         self._ensure_rope(capacity)
@@ -222,7 +235,7 @@ class Decoder:
     def embed(self, tokens: Tensor, guided: bool = False) -> Tensor:
         """Token ids (sequences, n) -> decoder inputs (rows, n, dim)."""
         x = F.embedding(tokens, self.model.token_emb[self.target_type].weight)
-        return x.repeat_interleave(2, dim=0) if guided else x
+        return self.per_row(x, guided)
 
     def start(self, rows: int) -> Tensor:
         """The start token's input, (rows, 1, dim)."""

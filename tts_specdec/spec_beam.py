@@ -28,7 +28,6 @@ from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .results import DecodeStats
 from .sampling import cfg_mix
-from .speculative import _start
 
 
 @dataclass
@@ -149,9 +148,9 @@ def draft(dec: Decoder, live: _Live, cache: KVCache, levels: int, width: int, co
             xs = x.new_zeros(r_n * g, c, x.shape[-1])
             xs.view(r_n, g, c, -1)[lrow, :, col] = x.view(-1, g, x.shape[-1])
             x = xs
-        h = dec.run(x, _rows(t + first, g), trunk, live.enc, cache,
-                    attn_mask=_tree_mask(anc, idx, real, t, t + first + c, g),
-                    positions=_rows((t + d)[:, None].expand(-1, c), g))
+        h = dec.run(x, dec.per_row(t + first, guided), trunk, live.enc, cache,
+                    attn_mask=_tree_mask(anc, idx, real, t, t + first + c, guided),
+                    positions=dec.per_row((t + d)[:, None].expand(-1, c), guided))
         hv = h.view(r_n, g, c, -1)
         hs.view(r_n, g, m_max, -1)[lrow, :, lidx] = hv[lrow, :, col]
         if d == levels:
@@ -189,7 +188,6 @@ def draft(dec: Decoder, live: _Live, cache: KVCache, levels: int, width: int, co
 def verify(dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, cond_scale: float) -> Tensor:
     """One target pass (layers E+1..L) over every node of every root row; log-probs per node (N, V)."""
     guided = cond_scale > 1
-    g = 2 if guided else 1
     k = live.states[0].beam_size
     r_n = tree.count.numel()
     t = live.pos.repeat_interleave(k)
@@ -199,8 +197,8 @@ def verify(dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, cond_scale: f
     depth = torch.zeros(r_n, m, dtype=torch.long, device=t.device)
     depth[tree.row, tree.index] = tree.depth
     upper = range(dec.exit_layer, dec.depth)
-    h = dec.run(tree.h[:, :m], _start(t, guided), upper, live.enc, cache,
-                attn_mask=_tree_mask(tree.anc, idx, real, t, t + m, g), positions=_rows(t[:, None] + depth, g))
+    h = dec.run(tree.h[:, :m], dec.start_of(t, guided), upper, live.enc, cache,
+                attn_mask=_tree_mask(tree.anc, idx, real, t, t + m, guided), positions=dec.per_row(t[:, None] + depth, guided))
     lp = _logprobs(dec.target_logits(h), cond_scale)  # (R, m, V)
     return lp[tree.row, tree.index]
 
@@ -259,8 +257,8 @@ def commit(
         dst = t[:, None] + span
         src = torch.where(valid, t[:, None] + path, dst)  # invalid columns copy a slot onto itself
         rows = torch.arange(node.numel(), device=device)
-        cache.move_slots(dec.rows(rows, guided), _rows(src, 2 if guided else 1), _rows(dst, 2 if guided else 1))
-    cache.crop(_rows(pos.repeat_interleave(k), 2 if guided else 1))
+        cache.move_slots(dec.rows(rows, guided), dec.per_row(src, guided), dec.per_row(dst, guided))
+    cache.crop(dec.per_row(pos.repeat_interleave(k), guided))
     tokens = torch.cat([advances[a].tokens for a in kept])
     return _Live(
         [live.items[a] for a in kept],
@@ -271,7 +269,7 @@ def commit(
     )
 
 
-def _tree_mask(anc: Tensor, idx: Tensor, real: Tensor, t: Tensor, end: Tensor, g: int) -> Tensor:
+def _tree_mask(anc: Tensor, idx: Tensor, real: Tensor, t: Tensor, end: Tensor, guided: bool) -> Tensor:
     """(R*g, 1, c, keys) bool: a query node sees slots < t (the committed prefix) and the slots of its
     own ancestors; a padding query sees only its own slot (its output is never read)."""
     r_n, m = anc.shape[0], anc.shape[1]
@@ -282,11 +280,7 @@ def _tree_mask(anc: Tensor, idx: Tensor, real: Tensor, t: Tensor, end: Tensor, g
     tree = own.gather(2, rel.clamp(0, m - 1)[:, None, :].expand(-1, idx.shape[1], -1)) & in_tree[:, None, :]
     mask = (rel < 0)[:, None, :] | tree
     mask = torch.where(real[..., None], mask, rel[:, None, :] == idx[..., None])
-    return _rows(mask, g)[:, None]
-
-
-def _rows(t: Tensor, g: int) -> Tensor:
-    return t.repeat_interleave(g, dim=0) if g > 1 else t
+    return Decoder.per_row(mask, guided)[:, None]
 
 
 def _logprobs(logits: Tensor, cond_scale: float) -> Tensor:

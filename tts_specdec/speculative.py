@@ -57,7 +57,7 @@ def sample_loop(
 
     while rows.index.numel():
         cache.grow(int(rows.pos.max()) + gamma + 2)
-        start = _start(rows.pos, guided)
+        start = dec.start_of(rows.pos, guided)
         # draft: gamma tokens from the exit head, keeping every exit state for the target
         t0 = time.perf_counter()
         x, exits, q, drafts = rows.x, [], [], []
@@ -91,7 +91,7 @@ def sample_loop(
         _count(stats, acc.accepted, gamma, t1 - t0, t2 - t1)
         rows.pos = rows.pos + count
         rows.x = dec.embed(acc.next_token[:, None], guided)
-        cache.crop(_per_row(rows.pos, guided))
+        cache.crop(dec.per_row(rows.pos, guided))
         if ended.any():
             keep = (~ended).nonzero()[:, 0]
             cache_rows = dec.rows(keep, guided)
@@ -153,15 +153,3 @@ def _count(stats: DecodeStats, accepted: Tensor, gamma: int, draft_s: float, ver
         if not stats.accepted_hist:
             stats.accepted_hist = [0] * (gamma + 1)
         stats.accepted_hist = [a + b for a, b in zip(stats.accepted_hist, hist)]
-
-
-def _per_row(per_seq: Tensor, guided: bool) -> Tensor:
-    return per_seq.repeat_interleave(2) if guided else per_seq
-
-
-def _start(pos: Tensor, guided: bool) -> int | Tensor:
-    """An int when every row is at the same position (the fast cache path), else per-row positions."""
-    first = int(pos[0])
-    if bool((pos == first).all()):
-        return first
-    return _per_row(pos, guided)
