@@ -58,23 +58,29 @@ def _rms(x: Tensor, weight: Tensor) -> Tensor:
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12) * weight
 
 
+def _t(weight: Tensor) -> Tensor:
+    """A Linear weight (out, in) stored as a contiguous (in, out) matrix: `x @ w` on that layout is
+    measurably faster for the few-row products of decoding than `x @ weight.t()` (MKL, CPU)."""
+    return weight.detach().t().contiguous()
+
+
 @dataclass
 class _FeedForward:
     """spear-tts FeedForward (RMSNorm, Linear, GEGLU, Dropout, Linear) as prepared weights."""
 
     norm: Tensor
-    w_in: Tensor
+    w_in_t: Tensor
     b_in: Tensor
     w_out_t: Tensor
     b_out: Tensor
 
     @classmethod
     def of(cls, ff: torch.nn.Sequential) -> "_FeedForward":
-        return cls(_rms_weight(ff[0]), ff[1].weight, ff[1].bias, ff[4].weight.t(), ff[4].bias)
+        return cls(_rms_weight(ff[0]), _t(ff[1].weight), ff[1].bias, _t(ff[4].weight), ff[4].bias)
 
     def residual(self, x: Tensor) -> Tensor:
         """x + ff(x) for x (tokens, dim), the residual add folded into the output matmul."""
-        h, gate = F.linear(_rms(x, self.norm), self.w_in, self.b_in).chunk(2, dim=-1)
+        h, gate = torch.addmm(self.b_in, _rms(x, self.norm), self.w_in_t).chunk(2, dim=-1)
         return torch.addmm(x + self.b_out, F.gelu(gate) * h, self.w_out_t)
 
 
@@ -83,10 +89,10 @@ class _LayerWeights:
     """One decoder layer's parameters, gathered once per decode call (fused where it saves kernels)."""
 
     attn_norm: Tensor
-    qkv: Tensor  # to_q and to_kv stacked: one projection for q, k, v
+    qkv_t: Tensor  # to_q and to_kv stacked: one projection for q, k, v
     attn_out_t: Tensor
     cross_norm: Tensor
-    cross_q: Tensor
+    cross_q_t: Tensor
     cross_out_t: Tensor
     ff: _FeedForward
 
@@ -97,11 +103,11 @@ class _ExitHead:
 
     ff: _FeedForward
     norm: Tensor
-    w_out: Tensor
+    w_out_t: Tensor
 
     def __call__(self, h: Tensor) -> Tensor:
         x = self.ff.residual(h.reshape(-1, h.shape[-1]))
-        return F.linear(_rms(x, self.norm), self.w_out).view(*h.shape[:-1], -1)
+        return torch.mm(_rms(x, self.norm), self.w_out_t).view(*h.shape[:-1], -1)
 
 
 class Decoder:
@@ -129,6 +135,7 @@ class Decoder:
         self._rope: tuple[Tensor, Tensor] | None = None
         self._prepared: list[_LayerWeights] | None = None
         self._exit_head: _ExitHead | None = None
+        self._target_head: tuple[Tensor, Tensor] | None = None
 
     # ---- properties of the wrapped model -----------------------------------------------------
 
@@ -214,11 +221,11 @@ class Decoder:
             self._prepared = [
                 _LayerWeights(
                     _rms_weight(sa.norm),
-                    torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight)),
-                    sa.to_out.weight.t(),
+                    _t(torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight))),
+                    _t(sa.to_out.weight),
                     _rms_weight(cross.norm),
-                    cross.to_q[0].weight,
-                    cross.to_out.weight.t(),
+                    _t(cross.to_q[0].weight),
+                    _t(cross.to_out.weight),
                     _FeedForward.of(ff),
                 )
                 for sa, cross, ff in self.layers
@@ -229,6 +236,7 @@ class Decoder:
         """Start a decode call: re-read the model's parameters (they may have changed since)."""
         self._prepared = None
         self._exit_head = None
+        self._target_head = None
 
     # ---- target side -------------------------------------------------------------------------
 
@@ -284,11 +292,12 @@ class Decoder:
             attn_mask = _additive(attn_mask, x.dtype)
         h_, d, kvh = self.heads, self.dim_head, self.kv_heads
         dim = x.shape[-1]
+        x = x.reshape(rows * n, dim)
         weights = self._weights()
         for i in layers:
             w = weights[i]
             # causal self-attention over the row's cache; q and k rotated together
-            qkv = F.linear(_rms(x, w.attn_norm), w.qkv).view(rows, n, h_ + 2 * kvh, d)
+            qkv = torch.mm(_rms(x, w.attn_norm), w.qkv_t).view(rows, n, h_ + 2 * kvh, d)
             qk = self._rotate(qkv[:, :, : h_ + kvh], cos, sin)
             q = qk[:, :, :h_].transpose(1, 2)
             keys, values = cache.write(
@@ -297,20 +306,23 @@ class Decoder:
             if kvh != h_:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
                 keys, values = keys.repeat(1, h_ // kvh, 1, 1), values.repeat(1, h_ // kvh, 1, 1)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
-            x = torch.addmm(x.reshape(-1, dim), a.transpose(1, 2).reshape(rows * n, -1), w.attn_out_t)
+            x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), w.attn_out_t)
             # cross-attention over the precomputed source K/V
-            q = F.linear(_rms(x, w.cross_norm), w.cross_q).view(rows, n, -1, d).transpose(1, 2)
+            q = torch.mm(_rms(x, w.cross_norm), w.cross_q_t).view(rows, n, -1, d).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask)
             x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), w.cross_out_t)
             # feed-forward: RMSNorm, Linear, GEGLU, Linear
-            x = w.ff.residual(x).view(rows, n, dim)
+            x = w.ff.residual(x)
             self.layer_evals[i] += rows * n
-        return x
+        return x.view(rows, n, dim)
 
     def target_logits(self, h: Tensor) -> Tensor:
         """Final norm + tied output projection on the last layer's hidden state."""
-        norm = _rms_weight(self.model.target_transformer.final_norm)
-        return F.linear(_rms(h, norm), self.model.to_logits[self.target_type].weight)
+        if self._target_head is None:
+            norm = _rms_weight(self.model.target_transformer.final_norm)
+            self._target_head = (norm, _t(self.model.to_logits[self.target_type].weight))
+        norm, w_t = self._target_head
+        return torch.mm(_rms(h.reshape(-1, h.shape[-1]), norm), w_t).view(*h.shape[:-1], -1)
 
     def draft_logits(self, h: Tensor) -> Tensor:
         """The early-exit head on the exit layer's hidden state."""
@@ -318,5 +330,5 @@ class Decoder:
             raise ValueError("this model has no early-exit head (target_early_exit_layer is None)")
         if self._exit_head is None:
             head = self.model.to_early_exit_semantic_logits
-            self._exit_head = _ExitHead(_FeedForward.of(head[0].fn), _rms_weight(head[1]), head[2].weight)
+            self._exit_head = _ExitHead(_FeedForward.of(head[0].fn), _rms_weight(head[1]), _t(head[2].weight))
         return self._exit_head(h)
