@@ -129,11 +129,15 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
         modes.append(Mode(f"spear-tts generate (beam {k})", upstream(beam_search_decode=True, beam_size=k)))
     modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k), None if args.skip_upstream_beam else f"spear-tts generate (beam {k})"))
     if has_exit and _has_spec_beam():
-        bg, w = args.beam_gamma, args.draft_width or k
-        modes.append(Mode(f"ours speculative beam (beam {k}, gamma={bg}, W={w})",
-                          ours("beam_search", beam_size=k, gamma=bg, draft_width=w), f"ours beam search (beam {k})"))
+        widths = [w or k for w in args.draft_width]
+        for bg in args.beam_gamma:
+            for w in widths:
+                modes.append(Mode(f"ours speculative beam (beam {k}, gamma={bg}, W={w})",
+                                  ours("beam_search", beam_size=k, gamma=bg, draft_width=w), f"ours beam search (beam {k})"))
         dropin = _dropin(model)
         if dropin is not None and not args.skip_upstream_beam:
+            bg, w = args.beam_gamma[0], widths[0]  # the first setting: the fastest on our CPU runs
+
             def run_dropin() -> tuple[int, None]:
                 out = dropin(source, source_type="text", target_type="speech", max_length=n,
                              beam_search_decode=True, spec_decode=True, beam_size=k, spec_decode_gamma=bg, draft_width=w)
@@ -142,7 +146,7 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
                 if eos is not None:
                     keep &= (out == eos).cumsum(dim=-1) == 0
                 return int(keep.sum()), None
-            modes.append(Mode(f"drop-in generate(beam {k}, spec)", run_dropin, f"spear-tts generate (beam {k})"))
+            modes.append(Mode(f"drop-in generate(beam {k}, spec, gamma={bg}, W={w})", run_dropin, f"spear-tts generate (beam {k})"))
     return modes
 
 
@@ -262,8 +266,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cpu")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--beam-size", type=int, default=4)
-    p.add_argument("--beam-gamma", type=int, default=3, help="draft levels per cycle of speculative beam search")
-    p.add_argument("--draft-width", type=int, default=12, help="draft beam width W (>= beam size)")
+    p.add_argument("--beam-gamma", type=int, nargs="+", default=[1, 3],
+                   help="draft levels per cycle of speculative beam search (a row per value and width)")
+    p.add_argument("--draft-width", type=int, nargs="+", default=[8, 12], help="draft beam widths W (>= beam size)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--distill-steps", type=int, default=300, help="reference model: exit-head distillation steps")

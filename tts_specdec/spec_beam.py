@@ -260,13 +260,9 @@ def commit(
         cache.move_slots(dec.rows(rows, guided), dec.per_row(src, guided), dec.per_row(dst, guided))
     cache.crop(dec.per_row(pos.repeat_interleave(k), guided))
     tokens = torch.cat([advances[a].tokens for a in kept])
-    return _Live(
-        [live.items[a] for a in kept],
-        [live.states[a] for a in kept],
-        pos,
-        dec.embed(tokens[:, None], guided),
-        live.enc.select(dec.rows(item_rows(kept_t, k), guided)),
-    )
+    # the source side only changes when an item finished (every beam of an item shares it)
+    enc = live.enc if len(kept) == len(advances) else live.enc.select(dec.rows(item_rows(kept_t, k), guided))
+    return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, dec.embed(tokens[:, None], guided), enc)
 
 
 def _tree_mask(anc: Tensor, idx: Tensor, real: Tensor, t: Tensor, end: Tensor, guided: bool) -> Tensor:
