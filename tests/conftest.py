@@ -138,3 +138,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["mm", "split"])
+def layout(request, one_thread, monkeypatch):
+    """Both matmul layouts of the decoder: plain products, and the bmm over weight blocks it uses
+    with several threads on large matrices (forced here on tiny ones: two threads, no size floor)."""
+    if request.param == "split":
+        import tts_specdec.decoder as decoder
+
+        monkeypatch.setattr(decoder, "_SPLIT_MIN_ELEMENTS", 0)
+        torch.set_num_threads(2)
+    return request.param

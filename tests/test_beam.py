@@ -83,7 +83,7 @@ def test_beam_covering_every_sequence_equals_exhaustive_search(length_penalty):
 
 
 @pytest.mark.parametrize("cond_scale", [1.0, 3.0])
-def test_beam_without_eos_equals_upstream_beam_search(cond_scale):
+def test_beam_without_eos_equals_upstream_beam_search(cond_scale, layout):
     model = make_model(10, eos=False, cond_drop_prob=0.5 if cond_scale > 1 else 0.0)
     source = make_source(3, 6, seed=6, lengths=[6, 2, 4])
     ours = SpeculativeDecoder(model).beam_search(source, beam_size=3, max_length=8, cond_scale=cond_scale)

@@ -51,7 +51,7 @@ def targets(batch, seed=1):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kv_heads", [None, 1], ids=["mha", "gqa"])
 @pytest.mark.parametrize("chunks", [[1] * (T + 1), [3, 1, 4, 2], [T + 1]], ids=["one", "several", "all"])
-def test_incremental_logits_equal_forward(dtype, kv_heads, chunks):
+def test_incremental_logits_equal_forward(dtype, kv_heads, chunks, layout):
     model = make_model(0, heads=4, kv_heads=kv_heads, dtype=dtype, std=STD[dtype])
     source = make_source(3, 8, lengths=[8, 5, 2])  # padded sources
     target = targets(3)
@@ -59,13 +59,15 @@ def test_incremental_logits_equal_forward(dtype, kv_heads, chunks):
     with torch.no_grad():
         dec, enc, cache, x = setup(model, source, target)
         logits = dec.target_logits(run_chunks(dec, enc, cache, x, chunks))
+    w = dec._weights()[0]
+    assert (w.qkv.dim(), w.ff.w_in.dim(), w.ff.w_out.dim()) == ((3, 3, 3) if layout == "split" else (2, 2, 2))
     assert rel_err(logits, ref) < TOL[dtype]
     assert dec.layer_evals == [3 * (T + 1)] * dec.depth
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n", [1, 3])
-def test_ragged_rows_equal_forward(dtype, n):
+def test_ragged_rows_equal_forward(dtype, n, layout):
     """Rows continue from different positions; slots past a row's position hold garbage K/V."""
     model = make_model(1, kv_heads=1, dtype=dtype, std=STD[dtype])
     source = make_source(3, 6, seed=2, lengths=[6, 3, 6])
@@ -93,7 +95,7 @@ def test_ragged_rows_equal_forward(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_draft_logits_equal_early_exit_head_on_forward_hidden(dtype):
+def test_draft_logits_equal_early_exit_head_on_forward_hidden(dtype, layout):
     model = make_model(2, target_depth=5, exit_layer=3, dtype=dtype, std=STD[dtype])
     source = make_source(2, 7, seed=5, lengths=[7, 4])
     target = targets(2, seed=6)
@@ -117,7 +119,7 @@ def test_draft_logits_equal_early_exit_head_on_forward_hidden(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_guided_logits_equal_upstream_cfg_mix(dtype):
+def test_guided_logits_equal_upstream_cfg_mix(dtype, layout):
     scale = 3.0
     model = make_model(3, cond_drop_prob=0.5, dtype=dtype, std=STD[dtype])
     source = make_source(2, 6, seed=7, lengths=[6, 3])

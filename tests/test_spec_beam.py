@@ -69,7 +69,7 @@ def test_float64_equals_plain(kind, beam_size, gamma):
 
 
 @pytest.mark.parametrize("kind", ["equal", "partial"])
-def test_float64_cfg_equals_plain(kind):
+def test_float64_cfg_equals_plain(kind, layout):
     model = draft_model(kind, seed=1, dtype=torch.float64, cond_drop_prob=0.2)
     dec = SpeculativeDecoder(model)
     source = make_source(3, 6, seed=3, lengths=[6, 3, 5])
@@ -88,7 +88,7 @@ def test_max_length_shorter_than_gamma(max_length):
     assert all(t.numel() <= max_length for t in spec.tokens)
 
 
-def test_wide_draft_and_gqa():
+def test_wide_draft_and_gqa(layout):
     model = draft_model("partial", seed=2, dtype=torch.float64, heads=4, kv_heads=2)
     dec = SpeculativeDecoder(model)
     source = make_source(3, 6, seed=4, lengths=[6, 6, 1])

@@ -47,7 +47,7 @@ def check_eos_mix(tokens, max_length):
 
 @pytest.mark.parametrize("eos", [True, False], ids=["eos", "no_eos"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_plain_greedy_equals_upstream_generate(eos, batch, sources):
+def test_plain_greedy_equals_upstream_generate(eos, batch, sources, layout):
     model = make_model(0, eos=eos)
     source = sources[batch]
     out = greedy(model, source, max_length=MAX_LEN)
@@ -158,7 +158,7 @@ def test_random_draft_head_accepts_almost_nothing(sources):
     assert spec.stats.accepted_hist[0] > 0.6 * sum(spec.stats.accepted_hist)
 
 
-def test_speculative_greedy_with_guidance_equals_plain(sources):
+def test_speculative_greedy_with_guidance_equals_plain(sources, layout):
     model = make_model(5, cond_drop_prob=0.5)
     source = sources[5]
     plain = greedy(model, source, max_length=MAX_LEN, cond_scale=3.0).tokens
