@@ -4,8 +4,8 @@
     python recipes/synthesize.py "Any text." --mode spec-beam --out out.wav
     python recipes/synthesize.py --texts lines.txt --out wavs/     # one wav per line, in batches
 
-Modes: plain (greedy sampling), spec (greedy speculative sampling, gamma 4), beam (beam 4),
-spec-beam (speculative beam search, beam 4, gamma 4). Nothing is downloaded; espeak-ng is only
+Modes (tts_specdec.speech.MODES): plain (greedy), spec (greedy speculative, gamma 4), beam (beam 4),
+spec-beam (speculative beam search, beam 4, gamma 1, draft width 8). Nothing is downloaded; espeak-ng is only
 needed for the quality figures of the demo (they are skipped with a message without it).
 """
 
@@ -106,9 +106,8 @@ def write_readme(out_dir: Path, speech: SpeechModel, results, ceiling, identical
         f"Figures over {n} sentences, decoded one at a time (batch 1) on this machine's CPU "
         f"({torch.get_num_threads()} threads); the whole run took {seconds:.0f} s.",
         "",
-        "Modes: `plain` = greedy decoding (temperature 0); `spec` = greedy speculative sampling with the "
-        "early-exit head as draft (gamma 4); `beam` = beam search (4 beams); `spec-beam` = speculative "
-        "beam search (4 beams, gamma 4). Greedy is used for the sampling modes so that `plain` and "
+        "Modes: " + "; ".join(f"`{name}` = {mode.describe()}" for name, mode in MODES.items()) + ". "
+        "Greedy is used for the sampling modes so that `plain` and "
         "`spec` can be compared unit for unit; with temperature > 0 speculative sampling keeps the "
         "target's distribution but not the same draws. Classifier-free guidance scale "
         f"(`cond_scale`) {cond_scale:g} in every mode.",

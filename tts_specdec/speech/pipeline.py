@@ -56,13 +56,24 @@ class Mode:
     gamma: int = 0
     beam_size: int = 4
     temperature: float = 0.0
+    draft_width: int | None = None  # speculative beam search: draft beams per level
+
+    def describe(self) -> str:
+        if self.method == "sample":
+            kind = "greedy decoding" if self.temperature == 0 else f"sampling at temperature {self.temperature:g}"
+            return kind if not self.gamma else f"{kind}, speculative with the early-exit head as draft (gamma {self.gamma})"
+        beams = f"beam search ({self.beam_size} beams"
+        if not self.gamma:
+            return beams + ")"
+        return f"speculative {beams}, gamma {self.gamma}, draft width {self.draft_width or self.beam_size})"
 
 
 MODES: dict[str, Mode] = {
     "plain": Mode("plain", "sample"),
     "spec": Mode("spec", "sample", gamma=4),
     "beam": Mode("beam", "beam_search"),
-    "spec-beam": Mode("spec-beam", "beam_search", gamma=4),
+    # gamma 1, W 8 is the fastest speculative beam setting measured on our CPU (still ~0.9x beam)
+    "spec-beam": Mode("spec-beam", "beam_search", gamma=1, draft_width=8),
 }
 
 
@@ -101,7 +112,7 @@ def decode_units(speech: SpeechModel, texts: list[str], mode: Mode, *, seed: int
         return decoder.sample(source, temperature=mode.temperature, gamma=mode.gamma,
                               max_length=max_length, cond_scale=cond_scale, generator=generator)
     if mode.method == "beam_search":
-        return decoder.beam_search(source, beam_size=mode.beam_size, gamma=mode.gamma,
+        return decoder.beam_search(source, beam_size=mode.beam_size, gamma=mode.gamma, draft_width=mode.draft_width,
                                    max_length=max_length, cond_scale=cond_scale)
     raise ValueError(f"mode.method must be 'sample' or 'beam_search', got {mode.method!r}")
 
