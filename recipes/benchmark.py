@@ -48,8 +48,8 @@ class Mode:
 @dataclass
 class Setup:
     model: TextToSemantic
-    source: torch.Tensor
-    max_length: int
+    sources: list[torch.Tensor]  # decoded one after another; each a padded (batch, n) tensor
+    max_lengths: list[int]
     description: str
 
 
@@ -66,22 +66,29 @@ def reference_model(seed: int, device: str, distill_steps: int) -> Setup:
     source = torch.randint(1, 256, (1, 60), generator=gen).to(device)
     if distill_steps:
         distill_exit_head(model, source_len=60, steps=distill_steps, seq_len=200, seed=seed)
-    return Setup(model, source, 200, f"random-init reference model (issue 2), exit head distilled {distill_steps} steps")
+    return Setup(model, [source], [200], f"random-init reference model (issue 2), exit head distilled {distill_steps} steps")
 
 
-def default_model(device: str, checkpoint: Path | None = None, batch: int = 1) -> Setup:
-    """The shipped checkpoint (or another speech checkpoint directory) on held-out-style sentences."""
+def default_model(device: str, checkpoint: Path | None = None, batch: int = 1, sentences: int = 1) -> Setup:
+    """The shipped checkpoint (or another speech checkpoint directory) on held-out-style sentences:
+    one batch of `batch` fixed sentences, or `sentences` > 1 held-out corpus sentences one at a time."""
     from tts_specdec.speech import load_speech_model
+    from tts_specdec.speech.pipeline import default_max_length
+    from tts_specdec.speech.references import heldout_sentences
 
     bundle = load_speech_model(checkpoint)
     model = bundle.model.to(device).eval()
-    texts = list(HELD_OUT_TEXTS[:batch])
-    source = model.tokenizer_encode(texts).to(device)
-    from tts_specdec.speech.pipeline import default_max_length
-
     name = f"checkpoint {checkpoint}" if checkpoint else "shipped checkpoint"
+    if sentences > 1:
+        texts = heldout_sentences(sentences)
+        sources = [model.tokenizer_encode([t]).to(device) for t in texts]
+        what = f"{sentences} held-out corpus sentences, each alone (batch 1), times and tokens summed"
+    else:
+        texts = list(HELD_OUT_TEXTS[:batch])
+        sources = [model.tokenizer_encode(texts).to(device)]
+        what = f"batch {batch}: {texts!r}"
     # the pipeline's length cap: spear-tts beam search only stops when every beam has emitted EOS
-    return Setup(model, source, default_max_length(source), f"{name}, batch {batch}: {texts!r}")
+    return Setup(model, sources, [default_max_length(s) for s in sources], f"{name}, {what}")
 
 
 HELD_OUT_TEXTS = (
@@ -93,27 +100,31 @@ HELD_OUT_TEXTS = (
 
 
 def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
-    model, source, n = setup.model, setup.source, setup.max_length
+    model, inputs = setup.model, list(zip(setup.sources, setup.max_lengths))
     dec = SpeculativeDecoder(model)
-    gen = torch.Generator(device=source.device).manual_seed(args.seed)
+    gen = torch.Generator(device=setup.sources[0].device).manual_seed(args.seed)
     k, g = args.beam_size, args.gamma
     has_exit = dec.decoder.exit_layer is not None
+
+    def kept_tokens(out: torch.Tensor) -> int:
+        eos = model.eos_id["speech"] if model.autoset_eos_id["speech"] else None
+        keep = out != model.semantic_pad_id
+        if eos is not None:
+            keep &= (out == eos).cumsum(dim=-1) == 0
+        return int(keep.sum())
 
     def upstream(**kw: object) -> Callable[[], tuple[int, None]]:
         def run() -> tuple[int, None]:
             with quiet_progress():
-                out = model.generate(source, source_type="text", target_type="speech", max_length=n, **kw)
-            eos = model.eos_id["speech"] if model.autoset_eos_id["speech"] else None
-            keep = out != model.semantic_pad_id
-            if eos is not None:
-                keep &= (out == eos).cumsum(dim=-1) == 0
-            return int(keep.sum()), None
+                outs = [model.generate(src, source_type="text", target_type="speech", max_length=n, **kw)
+                        for src, n in inputs]
+            return sum(kept_tokens(out) for out in outs), None
         return run
 
     def ours(method: str, **kw: object) -> Callable[[], tuple[int, DecodeStats]]:
         def run() -> tuple[int, DecodeStats]:
-            out = getattr(dec, method)(source, max_length=n, **kw)
-            return out.stats.generated_tokens, out.stats
+            stats = DecodeStats.total([getattr(dec, method)(src, max_length=n, **kw).stats for src, n in inputs])
+            return stats.generated_tokens, stats
         return run
 
     t = args.temperature
@@ -125,6 +136,12 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
         modes.append(Mode(f"ours speculative sample (gamma={g})", ours("sample", temperature=t, generator=gen, gamma=g), "ours sample"))
         modes.append(Mode(f"ours greedy", ours("sample", temperature=0.0)))
         modes.append(Mode(f"ours speculative greedy (gamma={g})", ours("sample", temperature=0.0, gamma=g), "ours greedy"))
+        if args.draft_confidence:
+            gm, conf = args.max_gamma, args.draft_confidence
+            modes.append(Mode(f"ours speculative sample (gamma<={gm}, conf {conf:g})", ours(
+                "sample", temperature=t, generator=gen, gamma=gm, draft_confidence=conf), "ours sample"))
+            modes.append(Mode(f"ours speculative greedy (gamma<={gm}, conf {conf:g})", ours(
+                "sample", temperature=0.0, gamma=gm, draft_confidence=conf), "ours greedy"))
     if not args.skip_upstream_beam:
         modes.append(Mode(f"spear-tts generate (beam {k})", upstream(beam_search_decode=True, beam_size=k)))
     modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k), None if args.skip_upstream_beam else f"spear-tts generate (beam {k})"))
@@ -139,13 +156,9 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
             bg, w = args.beam_gamma[0], widths[0]  # the first setting: the fastest on our CPU runs
 
             def run_dropin() -> tuple[int, None]:
-                out = dropin(source, source_type="text", target_type="speech", max_length=n,
-                             beam_search_decode=True, spec_decode=True, beam_size=k, spec_decode_gamma=bg, draft_width=w)
-                eos = model.eos_id["speech"] if model.autoset_eos_id["speech"] else None
-                keep = out != model.semantic_pad_id
-                if eos is not None:
-                    keep &= (out == eos).cumsum(dim=-1) == 0
-                return int(keep.sum()), None
+                outs = [dropin(src, source_type="text", target_type="speech", max_length=n, beam_search_decode=True,
+                               spec_decode=True, beam_size=k, spec_decode_gamma=bg, draft_width=w) for src, n in inputs]
+                return sum(kept_tokens(out) for out in outs), None
             modes.append(Mode(f"drop-in generate(beam {k}, spec, gamma={bg}, W={w})", run_dropin, f"spear-tts generate (beam {k})"))
     return modes
 
@@ -227,13 +240,14 @@ def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
             if s.accepted_hist:
                 row.update(alpha=s.alpha, tokens_per_target_pass=s.tokens_per_target_pass,
                            accepted_hist=s.accepted_hist)
-                if c is not None:
+                if c is not None and s.draft_confidence is None:  # the bound assumes a fixed gamma
                     row["leviathan_bound"] = leviathan_bound(s.alpha, s.gamma, c)
             if s.committed_hist:
                 row.update(steps_per_target_pass=s.steps_per_target_pass, committed_hist=s.committed_hist)
         rows.append(row)
-    return {"machine": machine_info(args.device), "setup": setup.description, "batch": int(setup.source.shape[0]),
-            "max_length": setup.max_length, "reps": args.reps, "gamma": args.gamma, "cost_ratio_c": c, "rows": rows}
+    return {"machine": machine_info(args.device), "setup": setup.description, "batch": int(setup.sources[0].shape[0]),
+            "sentences": len(setup.sources), "max_length": max(setup.max_lengths), "reps": args.reps,
+            "gamma": args.gamma, "cost_ratio_c": c, "rows": rows}
 
 
 def print_table(result: dict) -> None:
@@ -261,10 +275,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", choices=["reference", "default"], default="reference")
     p.add_argument("--checkpoint", type=Path, help="with --model default: a speech checkpoint directory")
     p.add_argument("--batch", type=int, default=1, help="with --model default: sentences per batch (1-4)")
+    p.add_argument("--sentences", type=int, default=1,
+                   help="with --model default: decode this many held-out corpus sentences one at a time (batch 1)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--draft-confidence", type=float, default=0.9,
+                   help="rows with early draft stops: a row stops drafting below this draft probability (0: no rows)")
+    p.add_argument("--max-gamma", type=int, default=10, help="most drafts per cycle in the early-stop rows")
     p.add_argument("--beam-size", type=int, default=4)
     p.add_argument("--beam-gamma", type=int, nargs="+", default=[1, 3],
                    help="draft levels per cycle of speculative beam search (a row per value and width)")
@@ -278,7 +297,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.reps < 1:
         p.error("--reps must be >= 1")
     torch.set_num_threads(args.threads)
-    setup = reference_model(args.seed, args.device, args.distill_steps) if args.model == "reference" else default_model(args.device, args.checkpoint, args.batch)
+    if args.sentences > 1 and (args.model != "default" or args.batch != 1):
+        p.error("--sentences > 1 needs --model default and --batch 1")
+    setup = (reference_model(args.seed, args.device, args.distill_steps) if args.model == "reference"
+             else default_model(args.device, args.checkpoint, args.batch, args.sentences))
     modes = build_modes(setup, args)
     measure(modes, args.reps)
     result = report(setup, modes, args)

@@ -95,6 +95,10 @@ def test_source_must_be_right_padded_integer_ids(dec, src):
         ("beam_search", dict(cond_scale=3.0), ValueError, "cond_scale > 1 needs a model trained with cond_drop_prob"),
         ("sample", dict(cond_scale=0.5), ValueError, "cond_scale must be >= 1"),
         ("sample", dict(gamma=-1), ValueError, "gamma must be >= 0"),
+        ("sample", dict(gamma=2, draft_confidence=0.0), ValueError, r"draft_confidence must be in \(0, 1\]"),
+        ("sample", dict(gamma=2, draft_confidence=1.5), ValueError, r"draft_confidence must be in \(0, 1\]"),
+        ("sample", dict(gamma=2, draft_confidence="high"), TypeError, "draft_confidence must be"),
+        ("sample", dict(draft_confidence=0.5), ValueError, "draft_confidence needs gamma > 0"),
         ("sample", dict(generator=0), TypeError, "generator must be a torch.Generator"),
     ],
 )

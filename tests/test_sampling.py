@@ -198,3 +198,28 @@ def test_greedy_accept_agrees_with_accept_rule_on_one_hot_distributions():
     q = torch.nn.functional.one_hot(drafts, 3).double()
     rule, greedy = speculative_accept(p, q, drafts, g), greedy_accept(target, drafts)
     assert torch.equal(rule.accepted, greedy.accepted) and torch.equal(rule.next_token, greedy.next_token)
+
+
+def test_accept_rule_with_per_row_limits_is_the_rule_with_each_rows_gamma():
+    """Rows proposing only their first L drafts follow the joint law of Algorithm 1 with gamma = L:
+    drafts past the limit are never kept and the bonus token comes from p at the limit."""
+    n = 120_000
+    g = torch.Generator().manual_seed(7)
+    drafts = draw(Q.expand(n, -1, -1), g)
+    limit = torch.arange(n) % (GAMMA + 1)  # each limit 0..GAMMA on an equal share of the rows
+    acc = speculative_accept(P.expand(n, -1, -1), Q.expand(n, -1, -1), drafts, g, limit=limit)
+    assert (acc.accepted <= limit).all()
+    for lim in range(GAMMA + 1):
+        rows = limit == lim
+        m = int(rows.sum())
+        counts = torch.zeros(lim + 1, V, dtype=torch.long)
+        counts.index_put_((acc.accepted[rows], acc.next_token[rows]), torch.ones(m, dtype=torch.long), accumulate=True)
+        assert tv(counts, closed_form(P[: lim + 1], Q[:lim])) < tv_bound((lim + 1) * V, m), lim
+
+
+def test_greedy_accept_stops_at_the_limit():
+    target = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 0, 3]])
+    acc = greedy_accept(target, drafts, limit=torch.tensor([1, 3, 3]))
+    assert acc.accepted.tolist() == [1, 3, 1]
+    assert acc.next_token.tolist() == [2, 4, 2]

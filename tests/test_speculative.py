@@ -111,6 +111,29 @@ def test_speculative_greedy_equals_plain_greedy(eos_model, sources, gamma, batch
     assert sum(t.numel() for t in plain) == spec.stats.generated_tokens
 
 
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("confidence", [0.6, 0.95])
+def test_greedy_with_early_draft_stops_equals_plain_greedy(eos_model, sources, confidence, batch):
+    """draft_confidence ends each row's drafts at its own depth; the output does not move."""
+    source = sources[batch]
+    plain = greedy(eos_model, source, max_length=MAX_LEN).tokens
+    spec = greedy(eos_model, source, max_length=MAX_LEN, gamma=8, draft_confidence=confidence)
+    assert_same_tokens(spec.tokens, plain)
+    s = spec.stats
+    assert s.drafted < 8 * sum(s.accepted_hist)  # some rows stopped before gamma drafts
+    assert s.accepted <= s.drafted
+
+
+def test_full_confidence_drafts_one_token_per_row_and_cycle(eos_model, sources):
+    """A draft probability below 1 ends drafting after the first token: one draft per row-cycle."""
+    spec = greedy(eos_model, sources[5], max_length=MAX_LEN, gamma=6, draft_confidence=1.0)
+    s = spec.stats
+    row_cycles = sum(s.accepted_hist)
+    assert s.drafted == row_cycles and s.draft_passes == s.steps
+    assert s.accepted_hist[2:] == [0] * 5
+    assert_same_tokens(spec.tokens, greedy(eos_model, sources[5], max_length=MAX_LEN).tokens)
+
+
 def copy_target_head(model):
     """Early exit at the last layer with the target head copied: draft logits == target logits."""
     head = model.to_early_exit_semantic_logits  # Sequential(Residual(FeedForward), RMSNorm, Linear)
@@ -201,11 +224,12 @@ def prefix_law(model, source, length, vocab, top_k=None, cond_scale=1.0):
 
 
 @pytest.mark.parametrize(
-    "gamma, top_k, cond_scale",
-    [(0, None, 1.0), (2, None, 1.0), (0, 2, 1.0), (2, 2, 1.0), (2, None, 3.0)],
-    ids=["plain", "spec", "plain-topk", "spec-topk", "spec-cfg"],
+    "gamma, top_k, cond_scale, confidence",
+    [(0, None, 1.0, None), (2, None, 1.0, None), (0, 2, 1.0, None), (2, 2, 1.0, None), (2, None, 3.0, None),
+     (3, None, 1.0, 0.5), (3, 2, 1.0, 0.7)],
+    ids=["plain", "spec", "plain-topk", "spec-topk", "spec-cfg", "spec-early-stop", "spec-topk-early-stop"],
 )
-def test_first_tokens_follow_target_law(gamma, top_k, cond_scale):
+def test_first_tokens_follow_target_law(gamma, top_k, cond_scale, confidence):
     """Empirical law of the first 3 tokens == the exact target law (plain and speculative)."""
     vocab, length, n = 4, 3, 30_000
     model = make_model(8, semantic_vocab=vocab, eos=False, cond_drop_prob=0.5 if cond_scale > 1 else 0.0)
@@ -215,15 +239,17 @@ def test_first_tokens_follow_target_law(gamma, top_k, cond_scale):
         assert 0.5 * float((law - prefix_law(model, source, length, vocab)).abs().sum()) > 0.1
     out = SpeculativeDecoder(model).sample(
         source.expand(n, -1), temperature=1.0, top_k=top_k, max_length=length, gamma=gamma,
-        cond_scale=cond_scale, generator=torch.Generator().manual_seed(10 + gamma),
+        cond_scale=cond_scale, generator=torch.Generator().manual_seed(10 + gamma), draft_confidence=confidence,
     )
     seqs = torch.stack(out.tokens)
     codes = (seqs * torch.tensor([vocab**2, vocab, 1])).sum(dim=1)
     counts = torch.bincount(codes, minlength=vocab**length)
     assert tv(counts, law) < tv_bound(vocab**length, n)
-    if gamma:  # the draft is neither always right nor always wrong
+    if gamma and confidence is None:  # the draft is neither always right nor always wrong
         hist = out.stats.accepted_hist
         assert hist[0] > 0 and hist[gamma] > 0
+    if confidence is not None:  # rows stopped drafting at different depths
+        assert out.stats.drafted < gamma * sum(out.stats.accepted_hist)
 
 
 def test_long_greedy_outputs_are_forward_argmax(sources):

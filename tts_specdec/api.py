@@ -41,10 +41,21 @@ class SpeculativeDecoder:
         max_length: int = 2048,
         generator: torch.Generator | None = None,
         gamma: int = 0,
+        draft_confidence: float | None = None,
     ) -> Decoded:
-        """Sample (temperature 0: greedy). gamma > 0 drafts with the early-exit head, losslessly."""
+        """Sample (temperature 0: greedy). gamma > 0 drafts with the early-exit head, losslessly.
+
+        draft_confidence: with gamma > 0, a row stops drafting early, after a drafted token the
+        draft gave less than this probability (gamma is then the most drafts per cycle).
+        """
         max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
         gamma = check_gamma(gamma, self.decoder.exit_layer)
+        if draft_confidence is not None:
+            draft_confidence = check_float("draft_confidence", draft_confidence)
+            if not 0 < draft_confidence <= 1:
+                raise ValueError(f"draft_confidence must be in (0, 1], got {draft_confidence}")
+            if not gamma:
+                raise ValueError("draft_confidence needs gamma > 0 (it ends drafts early)")
         temperature = check_float("temperature", temperature)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -58,12 +69,13 @@ class SpeculativeDecoder:
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         cfg = SamplingConfig(temperature, top_k, top_p)
         stats = self._stats("speculative" if gamma else "plain", gamma)
+        stats.draft_confidence = draft_confidence
         with eval_mode(self.model):
             source = prepare_source(self.model, source, self.decoder.source_type)
             start = time.perf_counter()
             tokens = sample_loop(
                 self.decoder, source, cfg, gamma=gamma, cond_scale=cond_scale,
-                max_length=max_length, generator=generator, stats=stats,
+                max_length=max_length, generator=generator, stats=stats, draft_confidence=draft_confidence,
             )
             stats.wall_time = time.perf_counter() - start
         stats.layer_evals = list(self.decoder.layer_evals)

@@ -20,6 +20,7 @@ class DecodeStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     gamma: int = 0
+    draft_confidence: float | None = None  # speculative sampling: drafting stops below this q(x)
     exit_layer: int | None = None
     layer_evals: list[int] = field(default_factory=list)  # token-layer evaluations per decoder layer
     # speculative sampling, counted per row and cycle
@@ -29,6 +30,22 @@ class DecodeStats:
     accepted_hist: list[int] = field(default_factory=list)  # [k] = row-cycles that kept k drafts
     # speculative beam search: beam steps committed per target pass
     committed_hist: list[int] = field(default_factory=list)  # [k] = cycles that committed k steps
+
+    @classmethod
+    def total(cls, parts: list["DecodeStats"]) -> "DecodeStats":
+        """The counters of several decode calls with the same settings, summed (histograms too)."""
+        if not parts:
+            raise ValueError("parts must hold at least one DecodeStats")
+        out = cls(mode=parts[0].mode, gamma=parts[0].gamma, draft_confidence=parts[0].draft_confidence,
+                  exit_layer=parts[0].exit_layer)
+        for name in ("steps", "target_passes", "draft_passes", "generated_tokens", "wall_time", "draft_time",
+                     "verify_time", "drafted", "accepted", "rejections"):
+            setattr(out, name, sum(getattr(p, name) for p in parts))
+        for name in ("layer_evals", "accepted_hist", "committed_hist"):
+            lists = [getattr(p, name) for p in parts if getattr(p, name)]
+            width = max((len(x) for x in lists), default=0)
+            setattr(out, name, [sum(x[i] for x in lists if i < len(x)) for i in range(width)])
+        return out
 
     @property
     def cycles(self) -> int:

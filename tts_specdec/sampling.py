@@ -83,7 +83,7 @@ class Acceptance:
 
 
 def speculative_accept(
-    p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Generator | None = None
+    p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Generator | None = None, limit: Tensor | None = None
 ) -> Acceptance:
     """Leviathan et al. 2022, Algorithm 1, per row.
 
@@ -91,6 +91,9 @@ def speculative_accept(
     q: (rows, gamma, V) draft distributions the drafts were sampled from. drafts: (rows, gamma).
     Accept drafts[d] with probability min(1, p_d(x) / q_d(x)); at the first rejection draw from
     norm(max(p_d - q_d, 0)); if all are accepted draw the bonus token from p_gamma.
+    limit: (rows,) drafts each row actually proposes (<= gamma; default all). A row's drafts past
+    its limit are ignored and its bonus token is drawn from p at its limit, so every row is
+    Algorithm 1 with its own gamma.
     """
     rows, gamma = drafts.shape
     if p.shape[:2] != (rows, gamma + 1) or q.shape[:2] != (rows, gamma):
@@ -100,18 +103,25 @@ def speculative_accept(
     u = torch.rand(rows, gamma, generator=generator, device=p.device, dtype=p.dtype)
     # u < p/q written without division; q(x) > 0 because x was drawn from q
     keep = u * qx < px
+    if limit is not None:
+        proposed = torch.arange(gamma, device=p.device) < limit[:, None]
+        keep &= proposed
+        q = q * proposed[..., None]  # zero past the limit: residual(p, 0) = p, the bonus law
     accepted = torch.cumprod(keep.long(), dim=1).sum(dim=1)
     q_pad = F.pad(q, (0, 0, 0, 1))  # q is zero past the drafts: the bonus position samples from p itself
     dist = residual(p[torch.arange(rows), accepted], q_pad[torch.arange(rows), accepted])
     return Acceptance(accepted, draw(dist, generator))
 
 
-def greedy_accept(target_tokens: Tensor, drafts: Tensor) -> Acceptance:
+def greedy_accept(target_tokens: Tensor, drafts: Tensor, limit: Tensor | None = None) -> Acceptance:
     """Temperature 0: keep drafts while they equal the target argmax, then emit the target argmax.
 
-    target_tokens: (rows, gamma + 1) argmax of p at each position; drafts: (rows, gamma).
+    target_tokens: (rows, gamma + 1) argmax of p at each position; drafts: (rows, gamma);
+    limit: (rows,) drafts each row proposes, as in `speculative_accept`.
     """
     gamma = drafts.shape[1]
     match = drafts == target_tokens[:, :gamma]
+    if limit is not None:
+        match &= torch.arange(gamma, device=drafts.device) < limit[:, None]
     accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
     return Acceptance(accepted, target_tokens.gather(1, accepted[:, None])[:, 0])

@@ -41,8 +41,14 @@ def sample_loop(
     max_length: int,
     generator: torch.Generator | None,
     stats: DecodeStats,
+    draft_confidence: float | None = None,
 ) -> list[Tensor]:
-    """Returns each row's generated tokens (EOS and everything after it removed)."""
+    """Returns each row's generated tokens (EOS and everything after it removed).
+
+    draft_confidence: a row stops drafting after a token its draft gave less than this probability
+    (up to gamma drafts per cycle); the cycle's drafting ends when every row stopped. The stopping
+    rule reads only the draft's own distribution, so acceptance stays exact for each row's length.
+    """
     batch, device = source.shape[0], source.device
     guided = cond_scale > 1
     enc = dec.encode(source, guided)
@@ -61,6 +67,8 @@ def sample_loop(
         # draft: gamma tokens from the exit head, keeping every exit state for the target
         t0 = time.perf_counter()
         x, exits, q, drafts = rows.x, [], [], []
+        limit = torch.full_like(rows.pos, gamma)  # drafts each row proposes this cycle
+        drafting = torch.ones_like(rows.pos, dtype=torch.bool)
         for d in range(gamma):
             h = dec.run(x, start + d, trunk, enc, cache)
             exits.append(h)
@@ -72,14 +80,21 @@ def sample_loop(
                 token = draw(q[-1], generator)
             drafts.append(token)
             x = dec.embed(token[:, None], guided)
-        if gamma:
-            exits.append(dec.run(x, start + gamma, trunk, enc, cache))
+            if draft_confidence is not None:
+                q_x = draft_logits.softmax(-1).amax(-1) if cfg.greedy else q[-1].gather(-1, token[:, None])[:, 0]
+                stop = drafting & (q_x < draft_confidence)
+                limit = torch.where(stop, d + 1, limit)
+                drafting &= ~stop
+                if not bool(drafting.any()):
+                    break
+        if drafts:
+            exits.append(dec.run(x, start + len(drafts), trunk, enc, cache))
             x = torch.cat(exits, dim=1)
         t1 = time.perf_counter()
         # verify: the layers above the exit on all gamma + 1 positions at once
         target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)
         # accept: rows keep different numbers of drafts
-        acc = _accept(target_logits, drafts, q, cfg, generator)
+        acc = _accept(target_logits, drafts, q, cfg, generator, None if draft_confidence is None else limit)
         t2 = time.perf_counter()
         # commit
         emitted = acc.next_token[:, None]
@@ -88,7 +103,7 @@ def sample_loop(
             emitted.scatter_(1, acc.accepted[:, None], acc.next_token[:, None])
         count = acc.accepted + 1
         ended = _write(out, out_len, final_len, rows.index, emitted, count, dec.eos_id, max_length)
-        _count(stats, acc.accepted, gamma, t1 - t0, t2 - t1)
+        _count(stats, acc.accepted, limit if drafts else None, gamma, t1 - t0, t2 - t1)
         rows.pos = rows.pos + count
         rows.x = dec.embed(acc.next_token[:, None], guided)
         cache.crop(dec.per_row(rows.pos, guided))
@@ -104,17 +119,17 @@ def sample_loop(
 
 def _accept(
     target_logits: Tensor, drafts: list[Tensor], q: list[Tensor], cfg: SamplingConfig,
-    generator: torch.Generator | None,
+    generator: torch.Generator | None, limit: Tensor | None,
 ) -> Acceptance:
-    """p at the gamma + 1 verified positions against the drafts; gamma = 0 simply draws from p."""
+    """p at the verified positions against the drafts; gamma = 0 simply draws from p."""
     if not drafts:
         p0 = target_logits[:, 0]
         token = p0.argmax(dim=-1) if cfg.greedy else draw(probabilities(p0, cfg), generator)
         return Acceptance(torch.zeros_like(token), token)
     drafts_t = torch.stack(drafts, dim=1)
     if cfg.greedy:
-        return greedy_accept(target_logits.argmax(dim=-1), drafts_t)
-    return speculative_accept(probabilities(target_logits, cfg), torch.stack(q, dim=1), drafts_t, generator)
+        return greedy_accept(target_logits.argmax(dim=-1), drafts_t, limit)
+    return speculative_accept(probabilities(target_logits, cfg), torch.stack(q, dim=1), drafts_t, generator, limit)
 
 
 def _write(
@@ -139,16 +154,18 @@ def _write(
     return ended
 
 
-def _count(stats: DecodeStats, accepted: Tensor, gamma: int, draft_s: float, verify_s: float) -> None:
+def _count(
+    stats: DecodeStats, accepted: Tensor, limit: Tensor | None, gamma: int, draft_s: float, verify_s: float
+) -> None:
     stats.steps += 1
     stats.target_passes += 1
-    stats.draft_passes += gamma
     stats.draft_time += draft_s
     stats.verify_time += verify_s
-    if gamma:
-        stats.drafted += gamma * accepted.numel()
+    if limit is not None:
+        stats.draft_passes += int(limit.max())
+        stats.drafted += int(limit.sum())
         stats.accepted += int(accepted.sum())
-        stats.rejections += int((accepted < gamma).sum())
+        stats.rejections += int((accepted < limit).sum())
         hist = torch.bincount(accepted, minlength=gamma + 1).tolist()
         if not stats.accepted_hist:
             stats.accepted_hist = [0] * (gamma + 1)
