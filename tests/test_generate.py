@@ -40,12 +40,12 @@ def source():
     return make_source(3, 6, seed=0, lengths=[6, 4, 2])
 
 
-@pytest.mark.parametrize("spec_decode", [False, True])
+@pytest.mark.parametrize("spec_decode, confidence", [(False, None), (True, None), (True, 0.8)])
 @pytest.mark.parametrize("cond_scale", [1.0, 3.0])
-def test_greedy_equals_upstream_greedy(patched, source, spec_decode, cond_scale):
+def test_greedy_equals_upstream_greedy(patched, source, spec_decode, confidence, cond_scale):
     kw = dict(TTS, temperature=0.0, max_length=MAX_LENGTH, cond_scale=cond_scale)
     ref = upstream(patched, source, **kw)
-    out = patched.generate(source, **kw, spec_decode=spec_decode, spec_decode_gamma=3)
+    out = patched.generate(source, **kw, spec_decode=spec_decode, spec_decode_gamma=3, draft_confidence=confidence)
     assert out.dtype == torch.long and torch.equal(out, ref)
 
 
