@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .decoder import Decoder
+from .decoder import Decoder, Encoded
 from .sampling import cfg_mix
 
 
@@ -159,8 +159,7 @@ def beam_search_loop(
     """
     batch, k = source.shape[0], beam_size
     guided = cond_scale > 1
-    enc = dec.encode(source, guided)
-    enc = enc.select(dec.rows(torch.arange(batch, device=source.device).repeat_interleave(k), guided))
+    enc = encode_beams(dec, source, k, guided)
     cache = dec.new_cache(enc.rows, min(max_length, 256) + 1)
     state = BeamState.initial(batch, k, length_penalty, dec.eos_id, source.device)
     layers = range(dec.depth)
@@ -182,6 +181,12 @@ def beam_search_loop(
         x = dec.embed(out.tokens[:, None], guided)
     best = [state.best(i) for i in range(batch)]
     return [t for t, _ in best], [s for _, s in best], steps
+
+
+def encode_beams(dec: Decoder, source: Tensor, k: int, guided: bool) -> Encoded:
+    """Encode each item once and give each of its K beams (item-major rows) that source side."""
+    items = torch.arange(source.shape[0], device=source.device)
+    return dec.encode(source, guided).select(dec.rows(items.repeat_interleave(k), guided))
 
 
 def item_rows(items: Tensor, k: int) -> Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .beam import BeamState, beam_step, item_rows
+from .beam import BeamState, beam_step, encode_beams, item_rows
 from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .results import DecodeStats
@@ -80,8 +80,7 @@ def spec_beam_search_loop(
     batch, k, device = source.shape[0], beam_size, source.device
     guided = cond_scale > 1
     width = min(draft_width, k * dec.vocab_size)
-    enc = dec.encode(source, guided)
-    enc = enc.select(dec.rows(torch.arange(batch, device=device).repeat_interleave(k), guided))
+    enc = encode_beams(dec, source, k, guided)
     cache = dec.new_cache(enc.rows, min(max_length, 256) + 2 + gamma * width)
     states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device) for _ in range(batch)]
     live = _Live(list(range(batch)), states, torch.zeros(batch, dtype=torch.long, device=device),

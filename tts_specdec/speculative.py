@@ -98,12 +98,12 @@ def sample_loop(
         t2 = time.perf_counter()
         # commit
         emitted = acc.next_token[:, None]
-        if gamma:
+        if drafts:
             emitted = torch.cat((torch.stack(drafts, dim=1), emitted), dim=1)
             emitted.scatter_(1, acc.accepted[:, None], acc.next_token[:, None])
         count = acc.accepted + 1
         ended = _write(out, out_len, final_len, rows.index, emitted, count, dec.eos_id, max_length)
-        _count(stats, acc.accepted, limit if drafts else None, gamma, t1 - t0, t2 - t1)
+        _count(stats, acc.accepted, limit if drafts else None, len(drafts), gamma, t1 - t0, t2 - t1)
         rows.pos = rows.pos + count
         rows.x = dec.embed(acc.next_token[:, None], guided)
         cache.crop(dec.per_row(rows.pos, guided))
@@ -155,14 +155,15 @@ def _write(
 
 
 def _count(
-    stats: DecodeStats, accepted: Tensor, limit: Tensor | None, gamma: int, draft_s: float, verify_s: float
+    stats: DecodeStats, accepted: Tensor, limit: Tensor | None, draft_steps: int, gamma: int,
+    draft_s: float, verify_s: float,
 ) -> None:
     stats.steps += 1
     stats.target_passes += 1
+    stats.draft_passes += draft_steps
     stats.draft_time += draft_s
     stats.verify_time += verify_s
     if limit is not None:
-        stats.draft_passes += int(limit.max())
         stats.drafted += int(limit.sum())
         stats.accepted += int(accepted.sum())
         stats.rejections += int((accepted < limit).sum())
