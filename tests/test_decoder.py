@@ -95,6 +95,34 @@ def test_ragged_rows_equal_forward(dtype, n, layout):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kv_heads", [None, 1], ids=["mha", "gqa"])
+def test_packed_rows_equal_forward(dtype, kv_heads, layout):
+    """`real` marks each row's first n_r positions of a padded chunk: only those are computed, their
+    logits and K/V are exact (a later ragged step reads them), padding gets zero outputs."""
+    model = make_model(4, kv_heads=kv_heads, dtype=dtype, std=STD[dtype])
+    source = make_source(3, 6, seed=9, lengths=[6, 2, 5])
+    target = targets(3, seed=10)
+    ref = forward_logits(model, source, target)
+    n_real = torch.tensor([3, 1, 5])
+    with torch.no_grad():
+        dec, enc, cache, x = setup(model, source, target)
+        dec.run(x[:, :4], 0, range(dec.depth), enc, cache)
+        real = torch.arange(5)[None, :] < n_real[:, None]
+        garbage = dec.embed(torch.randint(0, 13, (3, 5), generator=torch.Generator().manual_seed(11)))
+        x_b = torch.where(real[..., None], x[:, 4:9], garbage)
+        evals = list(dec.layer_evals)
+        h_b = dec.run(x_b, 4, range(dec.depth), enc, cache, real=real)
+        assert [a - b for a, b in zip(dec.layer_evals, evals)] == [int(n_real.sum())] * dec.depth
+        assert bool((h_b[~real] == 0).all())
+        start = 4 + n_real  # each row goes on from its last real position
+        h_c = dec.run(x.gather(1, start[:, None, None].expand(-1, 1, x.shape[-1])), start, range(dec.depth), enc, cache)
+        logits_b, logits_c = dec.target_logits(h_b), dec.target_logits(h_c)
+    for r in range(3):
+        assert rel_err(logits_b[r, : n_real[r]], ref[r, 4 : 4 + n_real[r]]) < TOL[dtype]
+        assert rel_err(logits_c[r, 0], ref[r, start[r]]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_draft_logits_equal_early_exit_head_on_forward_hidden(dtype, layout):
     model = make_model(2, target_depth=5, exit_layer=3, dtype=dtype, std=STD[dtype])
     source = make_source(2, 7, seed=5, lengths=[7, 4])

@@ -49,19 +49,21 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-def _rms_weight(norm: torch.nn.Module) -> Tensor:
-    return norm.gamma * norm.scale
+def _unit(x: Tensor) -> Tensor:
+    # F.normalize(x, dim=-1) in three kernels instead of five
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def _rms(x: Tensor, weight: Tensor) -> Tensor:
-    # spear-tts RMSNorm, F.normalize(x) * sqrt(dim) * gamma, in three kernels instead of five
-    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12) * weight
-
-
-def _t(weight: Tensor) -> Tensor:
+def _t(weight: Tensor, norm: torch.nn.Module | None = None) -> Tensor:
     """A Linear weight (out, in) stored as a contiguous (in, out) matrix: `x @ w` on that layout is
-    measurably faster for the few-row products of decoding than `x @ weight.t()` (MKL, CPU)."""
-    return weight.detach().t().contiguous()
+    measurably faster for the few-row products of decoding than `x @ weight.t()` (MKL, CPU).
+
+    `norm`: the spear-tts RMSNorm (F.normalize(x) * sqrt(dim) * gamma) in front of the Linear; its
+    per-channel weight is folded into the matrix's rows, so the norm costs no multiply at run time."""
+    w_t = weight.detach().t()
+    if norm is not None:
+        w_t = w_t * (norm.gamma * norm.scale).detach()[:, None]
+    return w_t.contiguous()
 
 
 # MKL runs a product with a handful of rows on one thread however many it may use; one bmm over
@@ -87,23 +89,22 @@ def _split(w_t: Tensor, blocks: int, dim: int) -> Tensor | None:
 class _FeedForward:
     """spear-tts FeedForward (RMSNorm, Linear, GEGLU, Dropout, Linear) as prepared weights."""
 
-    norm: Tensor
-    w_in: Tensor  # (dim, 2 * inner), or (2, dim, inner): the value and gate halves for one bmm
+    w_in: Tensor  # (dim, 2 * inner), or (2, dim, inner): the value and gate halves for one bmm; norm folded in
     b_in: Tensor  # (2 * inner,) or (2, 1, inner)
     w_out: Tensor  # (inner, dim), or (2, inner / 2, dim): row halves for one bmm
     b_out: Tensor
 
     @classmethod
     def of(cls, ff: torch.nn.Sequential) -> "_FeedForward":
-        w_in, b_in, w_out = _t(ff[1].weight), ff[1].bias.detach(), _t(ff[4].weight)
+        w_in, b_in, w_out = _t(ff[1].weight, ff[0]), ff[1].bias.detach(), _t(ff[4].weight)
         w_in_halves, w_out_halves = _split(w_in, 2, dim=1), _split(w_out, 2, dim=0)
         if w_in_halves is not None:
             w_in, b_in = w_in_halves, b_in.view(2, 1, -1)
-        return cls(_rms_weight(ff[0]), w_in, b_in, w_out if w_out_halves is None else w_out_halves, ff[4].bias)
+        return cls(w_in, b_in, w_out if w_out_halves is None else w_out_halves, ff[4].bias)
 
     def residual(self, x: Tensor) -> Tensor:
         """x + ff(x) for x (tokens, dim), the residual add folded into the output matmul."""
-        xn = _rms(x, self.norm)
+        xn = _unit(x)
         if self.w_in.dim() == 3:
             h, gate = torch.baddbmm(self.b_in, xn.expand(2, -1, -1), self.w_in).unbind(0)
         else:
@@ -119,10 +120,8 @@ class _FeedForward:
 class _LayerWeights:
     """One decoder layer's parameters, gathered once per decode call (fused where it saves kernels)."""
 
-    attn_norm: Tensor
     qkv: Tensor  # to_q and to_kv stacked, (dim, heads * d), or per head (heads, dim, d) for one bmm
     attn_out_t: Tensor
-    cross_norm: Tensor
     cross_q_t: Tensor
     cross_out_t: Tensor
     ff: _FeedForward
@@ -133,12 +132,11 @@ class _ExitHead:
     """to_early_exit_semantic_logits = Sequential(Residual(FeedForward), RMSNorm, Linear)."""
 
     ff: _FeedForward
-    norm: Tensor
-    w_out_t: Tensor
+    w_out_t: Tensor  # the RMSNorm folded in
 
     def __call__(self, h: Tensor) -> Tensor:
         x = self.ff.residual(h.reshape(-1, h.shape[-1]))
-        return torch.mm(_rms(x, self.norm), self.w_out_t).view(*h.shape[:-1], -1)
+        return torch.mm(_unit(x), self.w_out_t).view(*h.shape[:-1], -1)
 
 
 class Decoder:
@@ -166,7 +164,7 @@ class Decoder:
         self._rope: tuple[Tensor, Tensor] | None = None
         self._prepared: list[_LayerWeights] | None = None
         self._exit_head: _ExitHead | None = None
-        self._target_head: tuple[Tensor, Tensor] | None = None
+        self._target_head: Tensor | None = None  # (dim, vocab), final norm folded in
 
     # ---- properties of the wrapped model -----------------------------------------------------
 
@@ -251,11 +249,9 @@ class Decoder:
         if self._prepared is None:
             self._prepared = [
                 _LayerWeights(
-                    _rms_weight(sa.norm),
-                    self._qkv(_t(torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight)))),
+                    self._qkv(_t(torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight)), sa.norm)),
                     _t(sa.to_out.weight),
-                    _rms_weight(cross.norm),
-                    _t(cross.to_q[0].weight),
+                    _t(cross.to_q[0].weight, cross.norm),
                     _t(cross.to_out.weight),
                     _FeedForward.of(ff),
                 )
@@ -293,12 +289,16 @@ class Decoder:
         cache: KVCache,
         attn_mask: Tensor | None = None,
         positions: Tensor | None = None,
+        real: Tensor | None = None,
     ) -> Tensor:
         """Run decoder `layers` on x (rows, n, dim) placed at cache slots start..start+n-1 of each row.
 
         Each query attends to its own row's cached keys at slots <= its own (causal), unless
         `attn_mask` (rows, 1, n, keys) is given. Rotary positions are the slots unless `positions`
         (rows, n) says otherwise (tree drafts: a node's position is its depth, not its slot).
+        `real` (rows, n) bool marks the positions whose outputs matter when rows are padded to a common
+        n (tree levels): projections and feed-forwards then run on the real tokens only, padding
+        positions get zero outputs and zero K/V (the mask must let a padding query see its own slot).
         Writes K/V into `cache`; returns hidden states.
         """
         rows, n = x.shape[:2]
@@ -328,38 +328,73 @@ class Decoder:
         h_, d, kvh = self.heads, self.dim_head, self.kv_heads
         dim = x.shape[-1]
         x = x.reshape(rows * n, dim)
+        # packed: the projections see only the real tokens; attention scatters them into the padded
+        # (rows, n) layout (buffers zeroed once, padding entries stay zero) and gathers them back
+        keep = None if real is None or bool(real.all()) else real.reshape(-1).nonzero()[:, 0]
+        if keep is not None:
+            x = x.index_select(0, keep)
+            cos, sin = self._packed_rope(cos, sin, rows, n, keep)
+            heads_pad = x.new_zeros(h_ + 2 * kvh, rows * n, d)
+            q_pad = x.new_zeros(rows * n, h_ * d)
+        tokens = x.shape[0]
         weights = self._weights()
         for i in layers:
             w = weights[i]
             # causal self-attention over the row's cache; q and k rotated together
-            xn = _rms(x, w.attn_norm)
-            if w.qkv.dim() == 3:  # heads first: (q heads + k heads + v heads, rows, n, d)
-                heads = torch.bmm(xn.expand(w.qkv.shape[0], -1, -1), w.qkv).view(-1, rows, n, d)
+            xn = _unit(x)
+            if w.qkv.dim() == 3:  # heads first: (q heads + k heads + v heads, tokens, d)
+                heads = torch.bmm(xn.expand(w.qkv.shape[0], -1, -1), w.qkv)
             else:
-                heads = torch.mm(xn, w.qkv).view(rows, n, -1, d).permute(2, 0, 1, 3)
-            qk = self._rotate(heads[: h_ + kvh], cos, sin)
+                heads = torch.mm(xn, w.qkv).view(tokens, -1, d).transpose(0, 1)
+            if keep is None:
+                heads = heads.reshape(-1, rows, n, d)
+                qk = self._rotate(heads[: h_ + kvh], cos, sin)
+                v = heads[h_ + kvh :]
+            else:
+                heads_pad[: h_ + kvh].index_copy_(1, keep, self._rotate(heads[: h_ + kvh], cos, sin))
+                heads_pad[h_ + kvh :].index_copy_(1, keep, heads[h_ + kvh :])
+                padded = heads_pad.view(-1, rows, n, d)
+                qk, v = padded[: h_ + kvh], padded[h_ + kvh :]
             q = qk[:h_].transpose(0, 1)
-            keys, values = cache.write(i, qk[h_:].transpose(0, 1), heads[h_ + kvh :].transpose(0, 1), start)
+            keys, values = cache.write(i, qk[h_:].transpose(0, 1), v.transpose(0, 1), start)
             if kvh != h_:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
                 keys, values = keys.repeat(1, h_ // kvh, 1, 1), values.repeat(1, h_ // kvh, 1, 1)
-            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
-            x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), w.attn_out_t)
+            a = self._unpad(F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask), keep)
+            x = torch.addmm(x, a, w.attn_out_t)
             # cross-attention over the precomputed source K/V
-            q = torch.mm(_rms(x, w.cross_norm), w.cross_q_t).view(rows, n, -1, d).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask)
-            x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), w.cross_out_t)
+            q = torch.mm(_unit(x), w.cross_q_t)
+            if keep is not None:
+                q = q_pad.index_copy_(0, keep, q)
+            q = q.view(rows, n, -1, d).transpose(1, 2)
+            a = self._unpad(F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask), keep)
+            x = torch.addmm(x, a, w.cross_out_t)
             # feed-forward: RMSNorm, Linear, GEGLU, Linear
             x = w.ff.residual(x)
-            self.layer_evals[i] += rows * n
+            self.layer_evals[i] += tokens
+        if keep is not None:
+            x = x.new_zeros(rows * n, dim).index_copy_(0, keep, x)
         return x.view(rows, n, dim)
+
+    @staticmethod
+    def _packed_rope(cos: Tensor, sin: Tensor, rows: int, n: int, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin of the padded layout ((n, d) or (rows, n, d)) -> one row per kept token, (tokens, d)."""
+        shape = (rows, n, cos.shape[-1])
+        return (cos.expand(shape).reshape(rows * n, -1).index_select(0, keep),
+                sin.expand(shape).reshape(rows * n, -1).index_select(0, keep))
+
+    @staticmethod
+    def _unpad(a: Tensor, keep: Tensor | None) -> Tensor:
+        """Attention output (rows, heads, n, d) -> (tokens, heads * d), real tokens only when packed."""
+        rows, _, n, _ = a.shape
+        a = a.transpose(1, 2).reshape(rows * n, -1)
+        return a if keep is None else a.index_select(0, keep)
 
     def target_logits(self, h: Tensor) -> Tensor:
         """Final norm + tied output projection on the last layer's hidden state."""
         if self._target_head is None:
-            norm = _rms_weight(self.model.target_transformer.final_norm)
-            self._target_head = (norm, _t(self.model.to_logits[self.target_type].weight))
-        norm, w_t = self._target_head
-        return torch.mm(_rms(h.reshape(-1, h.shape[-1]), norm), w_t).view(*h.shape[:-1], -1)
+            final_norm = self.model.target_transformer.final_norm
+            self._target_head = _t(self.model.to_logits[self.target_type].weight, final_norm)
+        return torch.mm(_unit(h.reshape(-1, h.shape[-1])), self._target_head).view(*h.shape[:-1], -1)
 
     def draft_logits(self, h: Tensor) -> Tensor:
         """The early-exit head on the exit layer's hidden state."""
@@ -367,5 +402,5 @@ class Decoder:
             raise ValueError("this model has no early-exit head (target_early_exit_layer is None)")
         if self._exit_head is None:
             head = self.model.to_early_exit_semantic_logits
-            self._exit_head = _ExitHead(_FeedForward.of(head[0].fn), _rms_weight(head[1]), _t(head[2].weight))
+            self._exit_head = _ExitHead(_FeedForward.of(head[0].fn), _t(head[2].weight, head[1]))
         return self._exit_head(h)

@@ -149,7 +149,7 @@ def draft(dec: Decoder, live: _Live, cache: KVCache, levels: int, width: int, co
             x = xs
         h = dec.run(x, dec.per_row(t + first, guided), trunk, live.enc, cache,
                     attn_mask=_tree_mask(anc, idx, real, t, t + first + c, guided),
-                    positions=dec.per_row((t + d)[:, None].expand(-1, c), guided))
+                    positions=dec.per_row((t + d)[:, None].expand(-1, c), guided), real=dec.per_row(real, guided))
         hv = h.view(r_n, g, c, -1)
         hs.view(r_n, g, m_max, -1)[lrow, :, lidx] = hv[lrow, :, col]
         if d == levels:
@@ -197,7 +197,8 @@ def verify(dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, cond_scale: f
     depth[tree.row, tree.index] = tree.depth
     upper = range(dec.exit_layer, dec.depth)
     h = dec.run(tree.h[:, :m], dec.start_of(t, guided), upper, live.enc, cache,
-                attn_mask=_tree_mask(tree.anc, idx, real, t, t + m, guided), positions=dec.per_row(t[:, None] + depth, guided))
+                attn_mask=_tree_mask(tree.anc, idx, real, t, t + m, guided), positions=dec.per_row(t[:, None] + depth, guided),
+                real=dec.per_row(real, guided))
     lp = _logprobs(dec.target_logits(h), cond_scale)  # (R, m, V)
     return lp[tree.row, tree.index]
 
