@@ -85,35 +85,48 @@ def _split(w_t: Tensor, blocks: int, dim: int) -> Tensor | None:
     return w_t.view(blocks, -1, w_t.shape[1]).contiguous()  # (blocks, in/blocks, out)
 
 
+# Blocks per GEGLU half when the feed-forward is split: the up-projection (the largest matrix) runs
+# as 2 * _FF_BLOCKS column blocks and the down-projection as the matching _FF_BLOCKS row blocks, so
+# the activation never leaves the blocked layout (measured on 2 cores, dim 256, 4 rows: 4 blocks per
+# half take 25% less time than 1).
+_FF_BLOCKS = 4
+
+
 @dataclass
 class _FeedForward:
     """spear-tts FeedForward (RMSNorm, Linear, GEGLU, Dropout, Linear) as prepared weights."""
 
-    w_in: Tensor  # (dim, 2 * inner), or (2, dim, inner): the value and gate halves for one bmm; norm folded in
-    b_in: Tensor  # (2 * inner,) or (2, 1, inner)
-    w_out: Tensor  # (inner, dim), or (2, inner / 2, dim): row halves for one bmm
+    w_in: Tensor  # (dim, 2 * inner) with the norm folded in, or (2 * blocks, dim, inner / blocks): value blocks, then gate blocks
+    b_in: Tensor  # (2 * inner,) or (2 * blocks, 1, inner / blocks)
+    w_out: Tensor  # (inner, dim), or (blocks, inner / blocks, dim): the matching row blocks
     b_out: Tensor
+    blocks: int  # 1: plain products
 
     @classmethod
     def of(cls, ff: torch.nn.Sequential) -> "_FeedForward":
-        w_in, b_in, w_out = _t(ff[1].weight, ff[0]), ff[1].bias.detach(), _t(ff[4].weight)
-        w_in_halves, w_out_halves = _split(w_in, 2, dim=1), _split(w_out, 2, dim=0)
-        if w_in_halves is not None:
-            w_in, b_in = w_in_halves, b_in.view(2, 1, -1)
-        return cls(w_in, b_in, w_out if w_out_halves is None else w_out_halves, ff[4].bias)
+        w_in, b_in, w_out, b_out = _t(ff[1].weight, ff[0]), ff[1].bias.detach(), _t(ff[4].weight), ff[4].bias.detach()
+        b = _FF_BLOCKS
+        # inner (e.g. 682 = int(256 * 4 * 2 / 3)) padded to a multiple of b with zero units: a zero
+        # gate column gives gelu(0) * h = 0 through a zero row of w_out, so the sum is unchanged
+        pad = -w_out.shape[0] % b
+        w_in_p = torch.cat([F.pad(half, (0, pad)) for half in w_in.chunk(2, dim=1)], dim=1)
+        w_in_blocks = _split(w_in_p, 2 * b, dim=1)
+        if w_in_blocks is None:
+            return cls(w_in, b_in, w_out, b_out, 1)
+        b_in_p = torch.cat([F.pad(half, (0, pad)) for half in b_in.chunk(2)])
+        w_out_p = F.pad(w_out, (0, 0, 0, pad))
+        return cls(w_in_blocks, b_in_p.view(2 * b, 1, -1), w_out_p.view(b, -1, w_out_p.shape[1]), b_out, b)
 
     def residual(self, x: Tensor) -> Tensor:
-        """x + ff(x) for x (tokens, dim), the residual add folded into the output matmul."""
+        """x + ff(x) for x (tokens, dim), the residual add folded into the output product."""
         xn = _unit(x)
-        if self.w_in.dim() == 3:
-            h, gate = torch.baddbmm(self.b_in, xn.expand(2, -1, -1), self.w_in).unbind(0)
-        else:
+        b = self.blocks
+        if b == 1:
             h, gate = torch.addmm(self.b_in, xn, self.w_in).chunk(2, dim=-1)
-        act = F.gelu(gate) * h
-        if self.w_out.dim() == 3:
-            part = torch.bmm(act.view(act.shape[0], 2, -1).transpose(0, 1), self.w_out)
-            return (x + self.b_out).add_(part[0]).add_(part[1])
-        return torch.addmm(x + self.b_out, act, self.w_out)
+            return torch.addmm(x + self.b_out, F.gelu(gate) * h, self.w_out)
+        y = torch.baddbmm(self.b_in, xn.expand(2 * b, -1, -1), self.w_in)  # (2b, tokens, inner / b)
+        act = F.gelu(y[b:]).mul_(y[:b])  # GEGLU block by block
+        return (x + self.b_out).add_(torch.bmm(act, self.w_out).sum(0))
 
 
 @dataclass
