@@ -96,7 +96,8 @@ _FF_BLOCKS = 4
 class _FeedForward:
     """spear-tts FeedForward (RMSNorm, Linear, GEGLU, Dropout, Linear) as prepared weights."""
 
-    w_in: Tensor  # (dim, 2 * inner) with the norm folded in, or (2 * blocks, dim, inner / blocks): value blocks, then gate blocks
+    # (dim, 2 * inner) with the norm folded in, or (2 * blocks, dim, inner / blocks): value blocks, then gate blocks
+    w_in: Tensor
     b_in: Tensor  # (2 * inner,) or (2 * blocks, 1, inner / blocks)
     w_out: Tensor  # (inner, dim), or (blocks, inner / blocks, dim): the matching row blocks
     b_out: Tensor
@@ -104,7 +105,8 @@ class _FeedForward:
 
     @classmethod
     def of(cls, ff: torch.nn.Sequential) -> "_FeedForward":
-        w_in, b_in, w_out, b_out = _t(ff[1].weight, ff[0]), ff[1].bias.detach(), _t(ff[4].weight), ff[4].bias.detach()
+        w_in, b_in = _t(ff[1].weight, ff[0]), ff[1].bias.detach()
+        w_out, b_out = _t(ff[4].weight), ff[4].bias.detach()
         b = _FF_BLOCKS
         # inner (e.g. 682 = int(256 * 4 * 2 / 3)) padded to a multiple of b with zero units: a zero
         # gate column gives gelu(0) * h = 0 through a zero row of w_out, so the sum is unchanged
@@ -311,7 +313,8 @@ class Decoder:
         (rows, n) says otherwise (tree drafts: a node's position is its depth, not its slot).
         `real` (rows, n) bool marks the positions whose outputs matter when rows are padded to a common
         n (tree levels): projections and feed-forwards then run on the real tokens only, padding
-        positions get zero outputs and zero K/V (the mask must let a padding query see its own slot).
+        positions get zero outputs and zero K/V (the mask must let a padding query see its own slot and
+        hide padding slots from real queries; the causal default does when a row's real positions come first).
         Writes K/V into `cache`; returns hidden states.
         """
         rows, n = x.shape[:2]
@@ -379,7 +382,8 @@ class Decoder:
             if keep is not None:
                 q = q_pad.index_copy_(0, keep, q)
             q = q.view(rows, n, -1, d).transpose(1, 2)
-            a = self._unpad(F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask), keep)
+            a = F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask)
+            a = self._unpad(a, keep)
             x = torch.addmm(x, a, w.cross_out_t)
             # feed-forward: RMSNorm, Linear, GEGLU, Linear
             x = w.ff.residual(x)

@@ -197,8 +197,8 @@ def verify(dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, cond_scale: f
     depth[tree.row, tree.index] = tree.depth
     upper = range(dec.exit_layer, dec.depth)
     h = dec.run(tree.h[:, :m], dec.start_of(t, guided), upper, live.enc, cache,
-                attn_mask=_tree_mask(tree.anc, idx, real, t, t + m, guided), positions=dec.per_row(t[:, None] + depth, guided),
-                real=dec.per_row(real, guided))
+                attn_mask=_tree_mask(tree.anc, idx, real, t, t + m, guided),
+                positions=dec.per_row(t[:, None] + depth, guided), real=dec.per_row(real, guided))
     lp = _logprobs(dec.target_logits(h), cond_scale)  # (R, m, V)
     return lp[tree.row, tree.index]
 
