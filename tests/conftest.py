@@ -142,11 +142,13 @@ def one_thread():
 
 @pytest.fixture(params=["mm", "split"])
 def layout(request, one_thread, monkeypatch):
-    """Both matmul layouts of the decoder: plain products, and the bmm over weight blocks it uses
-    with several threads on large matrices (forced here on tiny ones: two threads, no size floor)."""
+    """Both layouts of the decoder's products: plain products on every position, and what it uses on
+    large models (forced here on tiny ones: two threads, no size floors): bmm over weight blocks, and
+    padded tree rows packed to their real tokens."""
     if request.param == "split":
         import tts_specdec.decoder as decoder
 
         monkeypatch.setattr(decoder, "_SPLIT_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(decoder, "_PACK_MIN_WORK", 0)
         torch.set_num_threads(2)
     return request.param

@@ -96,9 +96,13 @@ def test_ragged_rows_equal_forward(dtype, n, layout):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kv_heads", [None, 1], ids=["mha", "gqa"])
-def test_packed_rows_equal_forward(dtype, kv_heads, layout):
-    """`real` marks each row's first n_r positions of a padded chunk: only those are computed, their
-    logits and K/V are exact (a later ragged step reads them), padding gets zero outputs."""
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
+def test_padded_rows_equal_forward(dtype, kv_heads, pack, layout, monkeypatch):
+    """`real` marks each row's first n_r positions of a padded chunk: their logits and K/V are exact
+    (a later ragged step reads them); packed, only they are computed and padding gets zero outputs."""
+    import tts_specdec.decoder as decoder
+
+    monkeypatch.setattr(decoder, "_PACK_MIN_WORK", 0 if pack else 1 << 62)
     model = make_model(4, kv_heads=kv_heads, dtype=dtype, std=STD[dtype])
     source = make_source(3, 6, seed=9, lengths=[6, 2, 5])
     target = targets(3, seed=10)
@@ -112,8 +116,9 @@ def test_packed_rows_equal_forward(dtype, kv_heads, layout):
         x_b = torch.where(real[..., None], x[:, 4:9], garbage)
         evals = list(dec.layer_evals)
         h_b = dec.run(x_b, 4, range(dec.depth), enc, cache, real=real)
-        assert [a - b for a, b in zip(dec.layer_evals, evals)] == [int(n_real.sum())] * dec.depth
-        assert bool((h_b[~real] == 0).all())
+        computed = int(n_real.sum()) if pack else 3 * 5
+        assert [a - b for a, b in zip(dec.layer_evals, evals)] == [computed] * dec.depth
+        assert bool((h_b[~real] == 0).all()) == pack
         start = 4 + n_real  # each row goes on from its last real position
         h_c = dec.run(x.gather(1, start[:, None, None].expand(-1, 1, x.shape[-1])), start, range(dec.depth), enc, cache)
         logits_b, logits_c = dec.target_logits(h_b), dec.target_logits(h_c)
