@@ -35,6 +35,19 @@ def test_beam_step_sends_top_ranked_eos_to_finished_and_fills_live_beams():
     assert out.parents.tolist() == [0, 0] and out.tokens.tolist() == [2, 0] and out.kept.tolist() == [0]
 
 
+def test_beam_step_eos_at_rank_k_minus_one_is_finished():
+    """The boundary of the rule: an EOS ranked K-1 (the last of the first K) still finishes."""
+    eos = 3
+    state = BeamState.initial(1, 2, 1.0, eos, torch.device("cpu"))
+    beam_step(state, torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.25] * 4]).log())
+    # candidates best first: beam 0 + 2 (.25), beam 0 + EOS (.15, rank 1 = K-1), beam 1 + 0 (.12)
+    out = beam_step(state, torch.tensor([[0.1, 0.1, 0.5, 0.3], [0.4, 0.2, 0.2, 0.2]]).log())
+    assert [f[2].tolist() for f in state.finished[0]] == [[0, 3]]
+    assert state.finished[0][0][0] == pytest.approx(math.log(0.5 * 0.3) / 2)
+    assert out.parents.tolist() == [0, 1] and out.tokens.tolist() == [2, 0]
+    assert state.tokens.tolist() == [[0, 2], [1, 0]]
+
+
 def test_beam_step_last_finalises_live_beams():
     state = BeamState.initial(1, 2, 0.0, None, torch.device("cpu"))
     beam_step(state, torch.tensor([[0.6, 0.4], [0.5, 0.5]]).log())

@@ -93,8 +93,45 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     top_scores, top_index = cand.topk(min(2 * k, k * vocab), dim=1)
     new_len = state.length + 1
     norm = new_len**state.length_penalty
-    scores_l, index_l = top_scores.tolist(), top_index.tolist()
+    device = state.tokens.device
+    first_tokens = top_index[:, :k] % vocab
+    if bool(torch.isfinite(top_scores[:, :k]).all()) and (
+        state.eos_id is None or not bool((first_tokens == state.eos_id).any())
+    ):
+        # the common case, vectorised: no EOS and no -inf among the K best, so they are the new beams
+        parents = torch.arange(a, device=device)[:, None] * k + (top_index[:, :k] // vocab).to(device)
+        tokens, scores = first_tokens.to(device), top_scores[:, :k].to(device, torch.float64)
+    else:
+        parents, tokens, scores = _walk(state, top_scores, top_index, vocab, norm)
+    state.tokens = torch.cat((state.tokens[parents.flatten()], tokens.flatten()[:, None]), dim=1)
+    state.scores = scores
 
+    if last:
+        for i in range(a):
+            for j in range(k):
+                if scores[i, j] > -math.inf:
+                    state._add_finished(state.items[i], float(scores[i, j]) / norm, state.tokens[i * k + j])
+        keep = []
+    else:
+        best_live = scores[:, 0].tolist()  # beams are in score order
+        keep = [i for i in range(a) if not _is_done(state, i, best_live[i], norm)]
+    if len(keep) == a:  # no item finished: rows stay where they are
+        return StepOutput(parents.flatten(), tokens.flatten(), torch.arange(a, device=device))
+    kept = torch.tensor(keep, dtype=torch.long, device=device)
+    rows = item_rows(kept, k)
+    state.items = [state.items[i] for i in keep]
+    state.tokens = state.tokens[rows]
+    state.scores = state.scores[kept]
+    return StepOutput(parents.flatten()[rows], tokens.flatten()[rows], kept)
+
+
+def _walk(
+    state: BeamState, top_scores: Tensor, top_index: Tensor, vocab: int, norm: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The 2K best candidates per item, best first: an EOS among the first K ranks finishes a
+    hypothesis, the others fill the K live beams. Returns (parents, tokens, scores), each (active, K)."""
+    k, a, device = state.beam_size, state.active, state.tokens.device
+    scores_l, index_l = top_scores.tolist(), top_index.tolist()
     parents = torch.zeros(a, k, dtype=torch.long)
     tokens = torch.zeros(a, k, dtype=torch.long)
     scores = torch.full((a, k), -math.inf, dtype=torch.float64)
@@ -107,7 +144,7 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
             row = i * k + beam
             if token == state.eos_id:
                 if rank < k:
-                    eos = torch.tensor([token], device=state.tokens.device)
+                    eos = torch.tensor([token], device=device)
                     state._add_finished(item, score / norm, torch.cat((state.tokens[row], eos)))
                 continue
             parents[i, filled], tokens[i, filled], scores[i, filled] = row, token, score
@@ -115,29 +152,10 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
             if filled == k:
                 break
         parents[i, filled:] = i * k  # padding beams: -inf score, never expanded
-    device = state.tokens.device
-    parents, tokens, scores = parents.to(device), tokens.to(device), scores.to(device)
-    state.tokens = torch.cat((state.tokens[parents.flatten()], tokens.flatten()[:, None]), dim=1)
-    state.scores = scores
-
-    if last:
-        for i in range(a):
-            for j in range(k):
-                if scores[i, j] > -math.inf:
-                    state._add_finished(state.items[i], float(scores[i, j]) / norm, state.tokens[i * k + j])
-        keep = []
-    else:
-        keep = [i for i in range(a) if not _is_done(state, i, norm)]
-    kept = torch.tensor(keep, dtype=torch.long, device=device)
-    rows = item_rows(kept, k)
-    state.items = [state.items[i] for i in keep]
-    state.tokens = state.tokens[rows]
-    state.scores = state.scores[kept]
-    return StepOutput(parents.flatten()[rows], tokens.flatten()[rows], kept)
+    return parents.to(device), tokens.to(device), scores.to(device)
 
 
-def _is_done(state: BeamState, i: int, norm: float) -> bool:
-    best_live = float(state.scores[i].max())
+def _is_done(state: BeamState, i: int, best_live: float, norm: float) -> bool:
     if best_live == -math.inf:
         return True
     heap = state.finished[state.items[i]]
