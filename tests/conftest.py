@@ -140,15 +140,19 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(params=["mm", "split"])
+@pytest.fixture(params=["mm", "split", "kernel"])
 def layout(request, one_thread, monkeypatch):
-    """Both layouts of the decoder's products: plain products on every position, and what it uses on
-    large models (forced here on tiny ones: two threads, no size floors): bmm over weight blocks, and
-    padded tree rows packed to their real tokens."""
-    if request.param == "split":
-        import tts_specdec.decoder as decoder
+    """Every layout of the decoder's products: torch's plain products on every position; what torch
+    runs on large models (forced here on tiny ones: two threads, no size floors): bmm over weight
+    blocks, and padded tree rows packed to their real tokens; and the small-product kernel (float32
+    on CPU; other dtypes keep torch's products), with tree rows packed, on two threads."""
+    import tts_specdec.decoder as decoder
+    import tts_specdec.kernels as kernels
 
-        monkeypatch.setattr(decoder, "_SPLIT_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(kernels, "ENABLED", request.param == "kernel")
+    if request.param != "mm":
         monkeypatch.setattr(decoder, "_PACK_MIN_WORK", 0)
         torch.set_num_threads(2)
+    if request.param == "split":
+        monkeypatch.setattr(decoder, "_SPLIT_MIN_ELEMENTS", 0)
     return request.param

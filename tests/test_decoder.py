@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tts_specdec.decoder import Decoder
+from tts_specdec.kernels import Packed
 from tts_specdec.sampling import cfg_mix
 
 from conftest import forward_logits, make_model, make_source
@@ -60,7 +61,11 @@ def test_incremental_logits_equal_forward(dtype, kv_heads, chunks, layout):
         dec, enc, cache, x = setup(model, source, target)
         logits = dec.target_logits(run_chunks(dec, enc, cache, x, chunks))
     w = dec._weights()[0]
-    assert (w.qkv.dim(), w.ff.w_in.dim(), w.ff.w_out.dim()) == ((3, 3, 3) if layout == "split" else (2, 2, 2))
+    if layout == "kernel" and dtype == torch.float32:
+        assert all(isinstance(t, Packed) for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in))
+    else:
+        ndim = 3 if layout == "split" else 2
+        assert (w.qkv.dim(), w.ff.w_in.dim(), w.ff.w_out.dim(), w.cross_q_t.dim()) == (ndim,) * 4
     assert rel_err(logits, ref) < TOL[dtype]
     assert dec.layer_evals == [3 * (T + 1)] * dec.depth
 
@@ -189,17 +194,26 @@ def test_decoder_rereads_parameters_on_begin():
     assert rel_err(logits, ref) < TOL[torch.float32]
 
 
-def test_float32_rounding_is_no_worse_than_upstream():
-    """On the badly conditioned std-0.5 model, our float32 error (against the float64 forward) is at
-    most upstream's own float32 error: whatever differs from upstream there is rounding."""
-    model = make_model(0, heads=4, kv_heads=1, std=0.5)
-    source, target = make_source(3, 8, lengths=[8, 5, 2]), targets(3)
-    truth = forward_logits(copy.deepcopy(model).double(), source, target)
-    upstream = forward_logits(model, source, target).double()
-    with torch.no_grad():
-        dec, enc, cache, x = setup(model, source, target)
-        ours = dec.target_logits(run_chunks(dec, enc, cache, x, [1] * (T + 1))).double()
-    assert rel_err(ours, truth) <= rel_err(upstream, truth)
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_float32_rounding_is_upstreams_size(kernel, monkeypatch):
+    """On badly conditioned std-0.5 models our float32 error (against the float64 forward) is rounding
+    of the size of upstream's own float32 error. Per model either can be the larger (summation order
+    differs: upstream, torch's products and the kernel each win about half the seeds), so the check
+    is on the mean over 16 models: within 10% of upstream's (measured: torch 2%, kernel 4% above; a
+    real error would be orders of magnitude)."""
+    import tts_specdec.kernels as kernels
+
+    monkeypatch.setattr(kernels, "ENABLED", kernel)
+    ours, upstream = [], []
+    for seed in range(16):
+        model = make_model(seed, heads=4, kv_heads=1, std=0.5)
+        source, target = make_source(3, 8, lengths=[8, 5, 2]), targets(3)
+        truth = forward_logits(copy.deepcopy(model).double(), source, target)
+        upstream.append(rel_err(forward_logits(model, source, target).double(), truth))
+        with torch.no_grad():
+            dec, enc, cache, x = setup(model, source, target)
+            ours.append(rel_err(dec.target_logits(run_chunks(dec, enc, cache, x, [1] * (T + 1))).double(), truth))
+    assert sum(ours) <= 1.1 * sum(upstream)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ._upstream import TextToSemantic, _spear
 from .cache import KVCache
+from .kernels import PANEL, Packed
 
 
 @dataclass
@@ -66,10 +67,11 @@ def _t(weight: Tensor, norm: torch.nn.Module | None = None) -> Tensor:
     return w_t.contiguous()
 
 
-# MKL runs a product with a handful of rows on one thread however many it may use; one bmm over
-# column (or row) blocks of the weight spreads it over the threads. Worth it for large matrices
-# only (measured on 2 cores: -25% matmul time per beam step at dim 256, a loss at dim 128).
-_SPLIT_MIN_ELEMENTS = 1 << 17
+# Where the small-product kernel (kernels.py) does not run: MKL runs a product with a handful of rows
+# on one thread however many it may use; one bmm over column (or row) blocks of the weight spreads it
+# over the threads. Worth it for large matrices only (measured on 2 cores: -25% matmul time per beam
+# step at dim 256, a loss at dim 128; the (256, 256) attention products split too: +4% beam tok/s).
+_SPLIT_MIN_ELEMENTS = 1 << 16
 
 
 # Packing padded rows (`Decoder.run(..., real=)`) adds a handful of small kernels per layer and saves
@@ -77,6 +79,15 @@ _SPLIT_MIN_ELEMENTS = 1 << 17
 # verify pass of a speculative beam tree -31% at dim 256, -4% throughput lost at dim 128). Threshold on
 # padding tokens x one layer's weight elements.
 _PACK_MIN_WORK = 1 << 22
+
+
+def _packed_or(w_t: Tensor) -> Tensor | Packed:
+    """The kernel's packed layout where it runs, else the (in, out) matrix."""
+    return Packed(w_t) if Packed.fits(w_t) else w_t
+
+
+def _mm(x: Tensor, w: Tensor | Packed) -> Tensor:
+    return w(x) if isinstance(w, Packed) else torch.mm(x, w)
 
 
 def _split(w_t: Tensor, blocks: int, dim: int) -> Tensor | None:
@@ -103,33 +114,44 @@ _FF_BLOCKS = 4
 class _FeedForward:
     """spear-tts FeedForward (RMSNorm, Linear, GEGLU, Dropout, Linear) as prepared weights."""
 
-    # (dim, 2 * inner) with the norm folded in, or (2 * blocks, dim, inner / blocks): value blocks, then gate blocks
-    w_in: Tensor
+    # (dim, 2 * inner) with the norm folded in, or (2 * blocks, dim, inner / blocks): value blocks, then
+    # gate blocks, or packed for the kernel (blocks 0, inner padded to whole panels)
+    w_in: Tensor | Packed
     b_in: Tensor  # (2 * inner,) or (2 * blocks, 1, inner / blocks)
-    w_out: Tensor  # (inner, dim), or (blocks, inner / blocks, dim): the matching row blocks
+    w_out: Tensor | Packed  # (inner, dim), or (blocks, inner / blocks, dim): the matching row blocks
     b_out: Tensor
-    blocks: int  # 1: plain products
+    blocks: int  # 1: plain products, 0: the kernel
 
     @classmethod
     def of(cls, ff: torch.nn.Sequential) -> "_FeedForward":
         w_in, b_in = _t(ff[1].weight, ff[0]), ff[1].bias.detach()
         w_out, b_out = _t(ff[4].weight), ff[4].bias.detach()
+
+        def padded(multiple: int) -> tuple[Tensor, Tensor, Tensor]:
+            # inner (e.g. 682 = int(256 * 4 * 2 / 3)) padded with zero units: a zero gate column gives
+            # gelu(0) * h = 0 through a zero row of w_out, so the sum is unchanged
+            pad = -w_out.shape[0] % multiple
+            w_in_p = torch.cat([F.pad(half, (0, pad)) for half in w_in.chunk(2, dim=1)], dim=1)
+            b_in_p = torch.cat([F.pad(half, (0, pad)) for half in b_in.chunk(2)])
+            return w_in_p, b_in_p, F.pad(w_out, (0, 0, 0, pad))
+
+        w_in_p, b_in_p, w_out_p = padded(PANEL)
+        if Packed.fits(w_in_p) and Packed.fits(w_out_p):
+            return cls(Packed(w_in_p), b_in_p, Packed(w_out_p), b_out, 0)
         b = _FF_BLOCKS
-        # inner (e.g. 682 = int(256 * 4 * 2 / 3)) padded to a multiple of b with zero units: a zero
-        # gate column gives gelu(0) * h = 0 through a zero row of w_out, so the sum is unchanged
-        pad = -w_out.shape[0] % b
-        w_in_p = torch.cat([F.pad(half, (0, pad)) for half in w_in.chunk(2, dim=1)], dim=1)
+        w_in_p, b_in_p, w_out_p = padded(b)
         w_in_blocks = _split(w_in_p, 2 * b, dim=1)
         if w_in_blocks is None:
             return cls(w_in, b_in, w_out, b_out, 1)
-        b_in_p = torch.cat([F.pad(half, (0, pad)) for half in b_in.chunk(2)])
-        w_out_p = F.pad(w_out, (0, 0, 0, pad))
         return cls(w_in_blocks, b_in_p.view(2 * b, 1, -1), w_out_p.view(b, -1, w_out_p.shape[1]), b_out, b)
 
     def residual(self, x: Tensor) -> Tensor:
         """x + ff(x) for x (tokens, dim), the residual add folded into the output product."""
         xn = _unit(x)
         b = self.blocks
+        if b == 0:
+            h, gate = self.w_in(xn, self.b_in).chunk(2, dim=-1)
+            return self.w_out(F.gelu(gate) * h, self.b_out, residual=x)
         if b == 1:
             h, gate = torch.addmm(self.b_in, xn, self.w_in).chunk(2, dim=-1)
             return torch.addmm(x + self.b_out, F.gelu(gate) * h, self.w_out)
@@ -143,9 +165,9 @@ class _LayerWeights:
     """One decoder layer's parameters, gathered once per decode call (fused where it saves kernels)."""
 
     qkv: Tensor  # to_q and to_kv stacked, (dim, heads * d), or per head (heads, dim, d) for one bmm
-    attn_out_t: Tensor
-    cross_q_t: Tensor
-    cross_out_t: Tensor
+    attn_out_t: Tensor  # (heads * d, dim), or column blocks (blocks, heads * d, dim / blocks)
+    cross_q_t: Tensor  # (dim, heads * d), or per head (heads, dim, d)
+    cross_out_t: Tensor  # like attn_out_t
     ff: _FeedForward
 
 
@@ -154,11 +176,11 @@ class _ExitHead:
     """to_early_exit_semantic_logits = Sequential(Residual(FeedForward), RMSNorm, Linear)."""
 
     ff: _FeedForward
-    w_out_t: Tensor  # the RMSNorm folded in
+    w_out_t: Tensor | Packed  # the RMSNorm folded in
 
     def __call__(self, h: Tensor) -> Tensor:
         x = self.ff.residual(h.reshape(-1, h.shape[-1]))
-        return torch.mm(_unit(x), self.w_out_t).view(*h.shape[:-1], -1)
+        return _mm(_unit(x), self.w_out_t).view(*h.shape[:-1], -1)
 
 
 class Decoder:
@@ -186,7 +208,7 @@ class Decoder:
         self._rope: tuple[Tensor, Tensor] | None = None
         self._prepared: list[_LayerWeights] | None = None
         self._exit_head: _ExitHead | None = None
-        self._target_head: Tensor | None = None  # (dim, vocab), final norm folded in
+        self._target_head: Tensor | Packed | None = None  # (dim, vocab), final norm folded in
 
     # ---- properties of the wrapped model -----------------------------------------------------
 
@@ -272,9 +294,9 @@ class Decoder:
             self._prepared = [
                 _LayerWeights(
                     self._qkv(_t(torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight)), sa.norm)),
-                    _t(sa.to_out.weight),
-                    _t(cross.to_q[0].weight, cross.norm),
-                    _t(cross.to_out.weight),
+                    self._cols(_t(sa.to_out.weight)),
+                    self._cols(_t(cross.to_q[0].weight, cross.norm), self.heads),
+                    self._cols(_t(cross.to_out.weight)),
                     _FeedForward.of(ff),
                 )
                 for sa, cross, ff in self.layers
@@ -287,8 +309,15 @@ class Decoder:
         return sum(t.numel() for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in, w.ff.w_out))
 
     def _qkv(self, w_t: Tensor) -> Tensor:
-        per_head = _split(w_t, self.heads + 2 * self.kv_heads, dim=1)
-        return w_t if per_head is None else per_head
+        return self._cols(w_t, self.heads + 2 * self.kv_heads)
+
+    def _cols(self, w_t: Tensor, blocks: int | None = None) -> Tensor | Packed:
+        """Packed for the kernel where it runs; else (in, out), or `blocks` column blocks
+        (blocks, in, out / blocks) when splitting pays."""
+        if Packed.fits(w_t):
+            return Packed(w_t)
+        split = _split(w_t, blocks or self.heads, dim=1)
+        return w_t if split is None else split
 
     def begin(self) -> None:
         """Start a decode call: re-read the model's parameters (they may have changed since)."""
@@ -376,10 +405,10 @@ class Decoder:
             w = weights[i]
             # causal self-attention over the row's cache; q and k rotated together
             xn = _unit(x)
-            if w.qkv.dim() == 3:  # heads first: (q heads + k heads + v heads, tokens, d)
+            if isinstance(w.qkv, Tensor) and w.qkv.dim() == 3:  # heads first: (q + k + v heads, tokens, d)
                 heads = torch.bmm(xn.expand(w.qkv.shape[0], -1, -1), w.qkv)
             else:
-                heads = torch.mm(xn, w.qkv).view(tokens, -1, d).transpose(0, 1)
+                heads = _mm(xn, w.qkv).view(tokens, -1, d).transpose(0, 1)
             if keep is None:
                 heads = heads.reshape(-1, rows, n, d)
                 qk = self._rotate(heads[: h_ + kvh], cos, sin)
@@ -394,21 +423,39 @@ class Decoder:
             if kvh != h_:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
                 keys, values = keys.repeat(1, h_ // kvh, 1, 1), values.repeat(1, h_ // kvh, 1, 1)
             a = self._unpad(F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask), keep)
-            x = torch.addmm(x, a, w.attn_out_t)
+            x = self._residual(x, a, w.attn_out_t)
             # cross-attention over the precomputed source K/V
-            q = torch.mm(_unit(x), w.cross_q_t)
-            if keep is not None:
-                q = q_pad.index_copy_(0, keep, q)
-            q = q.view(rows, n, -1, d).transpose(1, 2)
+            if isinstance(w.cross_q_t, Tensor) and w.cross_q_t.dim() == 3:  # per head: (heads, tokens, d)
+                q = torch.bmm(_unit(x).expand(h_, -1, -1), w.cross_q_t)
+                if keep is not None:
+                    q = q_pad.view(h_, rows * n, d).index_copy_(1, keep, q)
+                q = q.view(h_, rows, n, d).transpose(0, 1)
+            else:
+                q = _mm(_unit(x), w.cross_q_t)
+                if keep is not None:
+                    q = q_pad.index_copy_(0, keep, q)
+                q = q.view(rows, n, -1, d).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask)
-            a = self._unpad(a, keep)
-            x = torch.addmm(x, a, w.cross_out_t)
+            x = self._residual(x, self._unpad(a, keep), w.cross_out_t)
             # feed-forward: RMSNorm, Linear, GEGLU, Linear
             x = w.ff.residual(x)
             self.layer_evals[i] += tokens
         if keep is not None:
             x = x.new_zeros(rows * n, dim).index_copy_(0, keep, x)
         return x.view(rows, n, dim)
+
+    @staticmethod
+    def _residual(x: Tensor, a: Tensor, w: Tensor | Packed) -> Tensor:
+        """x + a @ w for w packed, (in, out), or its column blocks (blocks, in, out / blocks)."""
+        if isinstance(w, Packed):
+            return w(a, residual=x)
+        if w.dim() == 2:
+            return torch.addmm(x, a, w)
+        b = w.shape[0]
+        out = torch.bmm(a.expand(b, -1, -1), w)  # (blocks, tokens, out / blocks)
+        res = torch.empty_like(x, memory_format=torch.contiguous_format)
+        torch.add(x.reshape(x.shape[0], b, -1), out.transpose(0, 1), out=res.view(x.shape[0], b, -1))
+        return res
 
     @staticmethod
     def _packed_rope(cos: Tensor, sin: Tensor, rows: int, n: int, keep: Tensor) -> tuple[Tensor, Tensor]:
@@ -428,8 +475,8 @@ class Decoder:
         """Final norm + tied output projection on the last layer's hidden state."""
         if self._target_head is None:
             final_norm = self.model.target_transformer.final_norm
-            self._target_head = _t(self.model.to_logits[self.target_type].weight, final_norm)
-        return torch.mm(_unit(h.reshape(-1, h.shape[-1])), self._target_head).view(*h.shape[:-1], -1)
+            self._target_head = _packed_or(_t(self.model.to_logits[self.target_type].weight, final_norm))
+        return _mm(_unit(h.reshape(-1, h.shape[-1])), self._target_head).view(*h.shape[:-1], -1)
 
     def draft_logits(self, h: Tensor) -> Tensor:
         """The early-exit head on the exit layer's hidden state."""
@@ -437,5 +484,5 @@ class Decoder:
             raise ValueError("this model has no early-exit head (target_early_exit_layer is None)")
         if self._exit_head is None:
             head = self.model.to_early_exit_semantic_logits
-            self._exit_head = _ExitHead(_FeedForward.of(head[0].fn), _t(head[2].weight, head[1]))
+            self._exit_head = _ExitHead(_FeedForward.of(head[0].fn), _packed_or(_t(head[2].weight, head[1])))
         return self._exit_head(h)
