@@ -5,8 +5,8 @@ at a fraction of the memory bandwidth (measured on 2 cores, 4 rows x (256, 768):
 kernel with the weight in cache). `csrc/small_gemm.cpp` packs each matrix into 16-column panels and
 streams them once per call over torch's own threads.
 
-It is built with torch's C++ extension loader on first use (about 30 s, cached under
-~/.cache/torch_extensions) and used only for float32 on x86 CPUs with AVX2. Anything else (no
+It is built with torch's C++ extension loader on first use (about 30 s with g++ and ninja, cached
+under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and used only for float32 on x86 CPUs with AVX2. Anything else (no
 compiler, another device or dtype, `TTS_SPECDEC_KERNELS=0`) falls back to torch's products, which give
 the same results up to float rounding; `available()` says which path runs.
 """
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -38,6 +40,8 @@ def _load():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         _failed = f"CPU capability {torch.backends.cpu.get_cpu_capability()} (needs AVX2)"
         return None
+    if shutil.which("ninja") is None:  # the `ninja` dependency installs it beside this interpreter
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
         ext_log = logging.getLogger("torch.utils.cpp_extension")
         level = ext_log.level
