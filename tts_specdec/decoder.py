@@ -86,8 +86,9 @@ def _packed_or(w_t: Tensor) -> Tensor | Packed:
     return Packed(w_t) if Packed.fits(w_t) else w_t
 
 
-def _mm(x: Tensor, w: Tensor | Packed) -> Tensor:
-    return w(x) if isinstance(w, Packed) else torch.mm(x, w)
+def _normed_mm(x: Tensor, w: Tensor | Packed) -> Tensor:
+    """_unit(x) @ w; the kernel scales the sums by the row norms instead of normalising x first."""
+    return w(x, normalize=True) if isinstance(w, Packed) else torch.mm(_unit(x), w)
 
 
 def _split(w_t: Tensor, blocks: int, dim: int) -> Tensor | None:
@@ -147,11 +148,11 @@ class _FeedForward:
 
     def residual(self, x: Tensor) -> Tensor:
         """x + ff(x) for x (tokens, dim), the residual add folded into the output product."""
-        xn = _unit(x)
         b = self.blocks
         if b == 0:
-            h, gate = self.w_in(xn, self.b_in).chunk(2, dim=-1)
+            h, gate = self.w_in(x, self.b_in, normalize=True).chunk(2, dim=-1)
             return self.w_out(F.gelu(gate) * h, self.b_out, residual=x)
+        xn = _unit(x)
         if b == 1:
             h, gate = torch.addmm(self.b_in, xn, self.w_in).chunk(2, dim=-1)
             return torch.addmm(x + self.b_out, F.gelu(gate) * h, self.w_out)
@@ -180,7 +181,7 @@ class _ExitHead:
 
     def __call__(self, h: Tensor) -> Tensor:
         x = self.ff.residual(h.reshape(-1, h.shape[-1]))
-        return _mm(_unit(x), self.w_out_t).view(*h.shape[:-1], -1)
+        return _normed_mm(x, self.w_out_t).view(*h.shape[:-1], -1)
 
 
 class Decoder:
@@ -404,11 +405,10 @@ class Decoder:
         for i in layers:
             w = weights[i]
             # causal self-attention over the row's cache; q and k rotated together
-            xn = _unit(x)
             if isinstance(w.qkv, Tensor) and w.qkv.dim() == 3:  # heads first: (q + k + v heads, tokens, d)
-                heads = torch.bmm(xn.expand(w.qkv.shape[0], -1, -1), w.qkv)
+                heads = torch.bmm(_unit(x).expand(w.qkv.shape[0], -1, -1), w.qkv)
             else:
-                heads = _mm(xn, w.qkv).view(tokens, -1, d).transpose(0, 1)
+                heads = _normed_mm(x, w.qkv).view(tokens, -1, d).transpose(0, 1)
             if keep is None:
                 heads = heads.reshape(-1, rows, n, d)
                 qk = self._rotate(heads[: h_ + kvh], cos, sin)
@@ -431,7 +431,7 @@ class Decoder:
                     q = q_pad.view(h_, rows * n, d).index_copy_(1, keep, q)
                 q = q.view(h_, rows, n, d).transpose(0, 1)
             else:
-                q = _mm(_unit(x), w.cross_q_t)
+                q = _normed_mm(x, w.cross_q_t)
                 if keep is not None:
                     q = q_pad.index_copy_(0, keep, q)
                 q = q.view(rows, n, -1, d).transpose(1, 2)
@@ -476,7 +476,7 @@ class Decoder:
         if self._target_head is None:
             final_norm = self.model.target_transformer.final_norm
             self._target_head = _packed_or(_t(self.model.to_logits[self.target_type].weight, final_norm))
-        return _mm(_unit(h.reshape(-1, h.shape[-1])), self._target_head).view(*h.shape[:-1], -1)
+        return _normed_mm(h.reshape(-1, h.shape[-1]), self._target_head).view(*h.shape[:-1], -1)
 
     def draft_logits(self, h: Tensor) -> Tensor:
         """The early-exit head on the exit layer's hidden state."""

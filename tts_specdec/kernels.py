@@ -92,10 +92,13 @@ class Packed:
     def numel(self) -> int:
         return self.panels.numel()
 
-    def __call__(self, x: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-        """x (tokens, in) @ w + bias + residual -> (tokens, out), a new contiguous tensor."""
+    def __call__(
+        self, x: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, normalize: bool = False
+    ) -> Tensor:
+        """(x / ||x|| if normalize else x) @ w + bias + residual for x (tokens, in) -> (tokens, out),
+        a new contiguous tensor. The row norm (F.normalize: max(||x||, 1e-12)) scales the sums."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
-        return _module.small_gemm(x, self.panels, bias, residual)
+        return _module.small_gemm(x, self.panels, bias, residual, normalize)

@@ -9,6 +9,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 namespace {
 
@@ -18,7 +20,7 @@ constexpr int64_t kMinTaskMacs = 1 << 17;  // below this a thread hand-off costs
 
 template <int R>
 inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, float* y, int64_t ldy,
-                       const float* bias, const float* res, int64_t ldr) {
+                       const float* scale, const float* bias, const float* res, int64_t ldr) {
   // blocked summation: each block of kBlock terms is summed on its own, then added to the total, so
   // rounding grows with kBlock + in / kBlock rather than with in (no worse than MKL's blocked sums)
   __m256 acc[R][2], blk[R][2];
@@ -42,6 +44,11 @@ inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, 
   }
   for (int r = 0; r < R; ++r) {
     __m256 a0 = acc[r][0], a1 = acc[r][1];
+    if (scale) {
+      const __m256 s = _mm256_set1_ps(scale[r]);
+      a0 = _mm256_mul_ps(a0, s);
+      a1 = _mm256_mul_ps(a1, s);
+    }
     if (bias) {
       a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bias));
       a1 = _mm256_add_ps(a1, _mm256_loadu_ps(bias + 8));
@@ -57,9 +64,10 @@ inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, 
 
 }  // namespace
 
-// x (rows, in) with unit column stride; packed (out / 16, in, 16); bias (out,); residual (rows, out)
+// x (rows, in) with unit column stride; packed (out / 16, in, 16); bias (out,); residual (rows, out).
+// normalize: each row of x is divided by max(||x||, 1e-12) first (F.normalize), applied to the sums.
 torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                         const c10::optional<torch::Tensor>& residual) {
+                         const c10::optional<torch::Tensor>& residual, bool normalize) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x: float32 (rows, in), unit column stride");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) && packed.is_contiguous(),
               "packed: contiguous (out / 16, in, 16) matching x");
@@ -74,6 +82,13 @@ torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& packed, co
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldr = residual ? residual->stride(0) : 0;
+  std::vector<float> inv_norm(normalize ? rows : 0);
+  for (int64_t m = 0; m < (normalize ? rows : 0); ++m) {
+    double ss = 0.0;
+    for (int64_t k = 0; k < in; ++k) ss += double(xp[m * ldx + k]) * xp[m * ldx + k];
+    inv_norm[m] = float(1.0 / std::max(std::sqrt(ss), 1e-12));
+  }
+  const float* sp = normalize ? inv_norm.data() : nullptr;
   const int64_t macs_per_panel = std::max<int64_t>(1, rows * in * kPanel);
   const int64_t grain = std::max<int64_t>(1, kMinTaskMacs / macs_per_panel);
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
@@ -83,12 +98,12 @@ torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& packed, co
       const float* b = bp ? bp + c : nullptr;
       int64_t m = 0;
       for (; m + 4 <= rows; m += 4)
-        panel_rows<4>(xp + m * ldx, ldx, w, in, yp + m * out + c, out, b, rp ? rp + m * ldr + c : nullptr, ldr);
+        panel_rows<4>(xp + m * ldx, ldx, w, in, yp + m * out + c, out, sp ? sp + m : nullptr, b, rp ? rp + m * ldr + c : nullptr, ldr);
       const float* r = rp ? rp + m * ldr + c : nullptr;
       switch (rows - m) {
-        case 3: panel_rows<3>(xp + m * ldx, ldx, w, in, yp + m * out + c, out, b, r, ldr); break;
-        case 2: panel_rows<2>(xp + m * ldx, ldx, w, in, yp + m * out + c, out, b, r, ldr); break;
-        case 1: panel_rows<1>(xp + m * ldx, ldx, w, in, yp + m * out + c, out, b, r, ldr); break;
+        case 3: panel_rows<3>(xp + m * ldx, ldx, w, in, yp + m * out + c, out, sp ? sp + m : nullptr, b, r, ldr); break;
+        case 2: panel_rows<2>(xp + m * ldx, ldx, w, in, yp + m * out + c, out, sp ? sp + m : nullptr, b, r, ldr); break;
+        case 1: panel_rows<1>(xp + m * ldx, ldx, w, in, yp + m * out + c, out, sp ? sp + m : nullptr, b, r, ldr); break;
         default: break;
       }
     }
@@ -97,5 +112,5 @@ torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& packed, co
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_gemm", &small_gemm, "x @ W (+ bias) (+ residual), W packed in 16-column panels");
+  m.def("small_gemm", &small_gemm, "x @ W (+ bias) (+ residual), W packed in 16-column panels, x optionally row-normalised");
 }
