@@ -220,6 +220,10 @@ def machine_info(device: str) -> dict:
     except OSError:
         pass
     info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu, "device": device}
+    if not device.startswith("cuda"):
+        from tts_specdec import kernels
+
+        info["small_product_kernel"] = kernels.unavailable_reason() or "on"
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -254,7 +258,8 @@ def print_table(result: dict) -> None:
     m = result["machine"]
     print(f"\n{result['setup']}")
     print(f"torch {m['torch']}, {m['threads']} threads, {m.get('gpu') or m['cpu']}, batch {result['batch']}, "
-          f"median of {result['reps']} interleaved reps")
+          f"median of {result['reps']} interleaved reps"
+          + (f", small-product kernel: {m['small_product_kernel']}" if "small_product_kernel" in m else ""))
     if result["cost_ratio_c"] is not None:
         print(f"measured draft/target step cost ratio c = {result['cost_ratio_c']:.3f}")
     print(f"\n{'mode':48s} {'tok/s':>9s} {'speedup':>20s} {'alpha':>6s} {'tok/pass':>8s} {'bound':>6s}")

@@ -194,6 +194,33 @@ def test_decoder_rereads_parameters_on_begin():
     assert rel_err(logits, ref) < TOL[torch.float32]
 
 
+def test_prepared_weights_follow_parameter_changes():
+    """begin() keeps the prepared weights while nothing changed, and rebuilds them after an in-place
+    update, a write through .data (no version bump) and a load_state_dict."""
+    model = make_model(4)
+    source, target = make_source(1, 5, seed=9), targets(1, seed=10)
+    fc = model.target_transformer.layers[0][2][1]  # a feed-forward Linear
+    with torch.no_grad():
+        dec, enc, cache, x = setup(model, source, target)
+        dec.run(x, 0, range(dec.depth), enc, cache)
+        prepared = dec._weights()
+        dec.begin()
+        assert dec._weights() is prepared
+        for change in (
+            lambda: fc.weight.mul_(1.5),
+            lambda: fc.weight.data.mul_(0.5),
+            lambda: model.load_state_dict({k: v * 1.1 for k, v in model.named_parameters()}, strict=False),
+        ):
+            change()
+            dec.begin()
+            assert dec._weights() is not prepared
+            prepared = dec._weights()
+            enc = dec.encode(source)
+            x = torch.cat((dec.start(1), dec.embed(target)), dim=1)  # the embeddings may have changed
+            logits = dec.target_logits(dec.run(x, 0, range(dec.depth), enc, cache))
+            assert rel_err(logits, forward_logits(model, source, target)) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 def test_float32_rounding_is_upstreams_size(kernel, monkeypatch):
     """On badly conditioned std-0.5 models our float32 error (against the float64 forward) is rounding

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ._upstream import TextToSemantic, _spear
 from .cache import KVCache
+from . import kernels
 from .kernels import PANEL, Packed
 
 
@@ -210,6 +211,7 @@ class Decoder:
         self._prepared: list[_LayerWeights] | None = None
         self._exit_head: _ExitHead | None = None
         self._target_head: Tensor | Packed | None = None  # (dim, vocab), final norm folded in
+        self._state: tuple | None = None  # what the prepared weights were built from (`begin`)
 
     # ---- properties of the wrapped model -----------------------------------------------------
 
@@ -321,10 +323,24 @@ class Decoder:
         return w_t if split is None else split
 
     def begin(self) -> None:
-        """Start a decode call: re-read the model's parameters (they may have changed since)."""
-        self._prepared = None
-        self._exit_head = None
-        self._target_head = None
+        """Start a decode call. The prepared weights (transposed, packed, norms folded in: ~50 ms on
+        the reference model, 5% of a 200-token beam search) are rebuilt only when the model's
+        parameters may have changed since the last call: another storage, an in-place update (version
+        counter), other values (their norms: also catches writes through `.data`, which bypass the
+        version counter), or another thread count or kernel switch (they choose the layout)."""
+        state = self._parameter_state()
+        if state != self._state:
+            self._prepared = None
+            self._exit_head = None
+            self._target_head = None
+            self._state = state
+
+    def _parameter_state(self) -> tuple:
+        params = list(self.model.parameters())
+        with torch.no_grad():
+            norms = torch.stack(torch._foreach_norm(params)).tolist() if params else []
+        where = tuple((p.data_ptr(), p._version, p.dtype, p.device, tuple(p.shape)) for p in params)
+        return kernels.ENABLED, torch.get_num_threads(), where, tuple(norms)
 
     # ---- target side -------------------------------------------------------------------------
 
