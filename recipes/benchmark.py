@@ -220,12 +220,12 @@ def machine_info(device: str) -> dict:
     except OSError:
         pass
     info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu, "device": device}
-    if not device.startswith("cuda"):
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(0)
+    else:
         from tts_specdec import kernels
 
         info["small_product_kernel"] = kernels.unavailable_reason() or "on"
-    if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(0)
     return info
 
 

@@ -137,8 +137,8 @@ class _FeedForward:
             b_in_p = torch.cat([F.pad(half, (0, pad)) for half in b_in.chunk(2)])
             return w_in_p, b_in_p, F.pad(w_out, (0, 0, 0, pad))
 
-        w_in_p, b_in_p, w_out_p = padded(PANEL)
-        if Packed.fits(w_in_p) and Packed.fits(w_out_p):
+        if Packed.fits(w_out):  # dim in whole panels; padding puts w_in's columns in whole panels too
+            w_in_p, b_in_p, w_out_p = padded(PANEL)
             return cls(Packed(w_in_p), b_in_p, Packed(w_out_p), b_out, 0)
         b = _FF_BLOCKS
         w_in_p, b_in_p, w_out_p = padded(b)
@@ -296,7 +296,9 @@ class Decoder:
         if self._prepared is None:
             self._prepared = [
                 _LayerWeights(
-                    self._qkv(_t(torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight)), sa.norm)),
+                    self._cols(
+                        _t(torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight)), sa.norm), self.heads + 2 * self.kv_heads
+                    ),
                     self._cols(_t(sa.to_out.weight)),
                     self._cols(_t(cross.to_q[0].weight, cross.norm), self.heads),
                     self._cols(_t(cross.to_out.weight)),
@@ -310,9 +312,6 @@ class Decoder:
         """Weight elements one decoder layer multiplies a token by (the cross-attention K/V excluded)."""
         w = self._weights()[0]
         return sum(t.numel() for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in, w.ff.w_out))
-
-    def _qkv(self, w_t: Tensor) -> Tensor:
-        return self._cols(w_t, self.heads + 2 * self.kv_heads)
 
     def _cols(self, w_t: Tensor, blocks: int | None = None) -> Tensor | Packed:
         """Packed for the kernel where it runs; else (in, out), or `blocks` column blocks

@@ -6,9 +6,10 @@ kernel with the weight in cache). `csrc/small_gemm.cpp` packs each matrix into 1
 streams them once per call over torch's own threads.
 
 It is built with torch's C++ extension loader on first use (about 30 s with g++ and ninja, cached
-under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and used only for float32 on x86 CPUs with AVX2. Anything else (no
-compiler, another device or dtype, `TTS_SPECDEC_KERNELS=0`) falls back to torch's products, which give
-the same results up to float rounding; `available()` says which path runs.
+under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and used only for float32 on x86 CPUs with
+AVX2. Anything else (no compiler, another device or dtype, `TTS_SPECDEC_KERNELS=0`) falls back to
+torch's products, which give the same results up to float rounding; `available()` says which path
+runs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 
 PANEL = 16
-# read when weights are prepared (each decode call); tests switch it to cover both paths
+# read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
 ENABLED = os.environ.get("TTS_SPECDEC_KERNELS", "1") != "0"
 _SOURCE = Path(__file__).with_name("csrc") / "small_gemm.cpp"
 _module = None
@@ -83,7 +84,6 @@ class Packed:
         if cols % PANEL:
             raise ValueError(f"w_t: output width {cols} is not a multiple of {PANEL}")
         self.panels = w_t.detach().reshape(rows, cols // PANEL, PANEL).transpose(0, 1).contiguous()
-        self.shape = (rows, cols)
 
     @staticmethod
     def fits(w_t: Tensor) -> bool:
