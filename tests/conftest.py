@@ -140,19 +140,21 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(params=["mm", "split", "kernel"])
+@pytest.fixture(params=["mm", "split", "kernel", "kernel-packed"])
 def layout(request, one_thread, monkeypatch):
-    """Every layout of the decoder's products: torch's plain products on every position; what torch
+    """Every layout of the decoder: torch's plain products and attention on every position; what torch
     runs on large models (forced here on tiny ones: two threads, no size floors): bmm over weight
-    blocks, and padded tree rows packed to their real tokens; and the small-product kernel (float32
-    on CPU; other dtypes keep torch's products), with tree rows packed, on two threads."""
+    blocks, and padded tree rows packed to their real tokens; the kernels (float32 on CPU; other dtypes
+    keep torch's path) on two threads: every product and each attention in one call, tree rows
+    included (`kernel`), or with tree rows packed, whose attention stays torch's (`kernel-packed`)."""
     import tts_specdec.decoder as decoder
     import tts_specdec.kernels as kernels
 
-    monkeypatch.setattr(kernels, "ENABLED", request.param == "kernel")
+    monkeypatch.setattr(kernels, "ENABLED", request.param.startswith("kernel"))
     if request.param != "mm":
-        monkeypatch.setattr(decoder, "_PACK_MIN_WORK", 0)
         torch.set_num_threads(2)
+    if request.param in ("split", "kernel-packed"):
+        monkeypatch.setattr(decoder, "_PACK_MIN_WORK", 0)
     if request.param == "split":
         monkeypatch.setattr(decoder, "_SPLIT_MIN_ELEMENTS", 0)
     return request.param

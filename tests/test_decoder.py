@@ -61,9 +61,11 @@ def test_incremental_logits_equal_forward(dtype, kv_heads, chunks, layout):
         dec, enc, cache, x = setup(model, source, target)
         logits = dec.target_logits(run_chunks(dec, enc, cache, x, chunks))
     w = dec._weights()[0]
-    if layout == "kernel" and dtype == torch.float32:
+    if layout.startswith("kernel") and dtype == torch.float32:
         assert all(isinstance(t, Packed) for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in))
+        assert dec._fused_attention
     else:
+        assert not dec._fused_attention
         ndim = 3 if layout == "split" else 2
         assert (w.qkv.dim(), w.ff.w_in.dim(), w.ff.w_out.dim(), w.cross_q_t.dim()) == (ndim,) * 4
     assert rel_err(logits, ref) < TOL[dtype]

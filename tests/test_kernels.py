@@ -93,3 +93,114 @@ def test_rounding_no_worse_than_torch(shape):
         err_kernel += err(Packed(w)(x, normalize=True))
         err_torch += err(torch.nn.functional.normalize(x, dim=-1) @ w)
     assert err_kernel <= err_torch
+
+
+def _needs_kernel():
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+
+
+def test_geglu_and_padded_width():
+    """geglu: the product of h * gelu(gate) for x = [h | gate]; width: a padded head's columns cut off."""
+    _needs_kernel()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g)
+    for rows in (1, 3, 6):
+        x = torch.randn(rows, 96, generator=g) * 3
+        res = torch.randn(rows, 32, generator=g)
+        h, gate = x.double().chunk(2, dim=-1)
+        act = torch.nn.functional.gelu(gate) * h
+        ref = act @ w.double() + res.double()
+        bound = 52 * 2.0**-24 * (act.abs() @ w.double().abs() + res.double().abs()) + 1e-6 * (act.abs() @ w.double().abs())
+        assert ((Packed(w)(x, residual=res, geglu=True).double() - ref).abs() <= bound).all()
+    with pytest.raises(RuntimeError, match="geglu and normalize"):
+        Packed(w)(x, geglu=True, normalize=True)
+    head = Packed(torch.nn.functional.pad(w[:, :30], (0, 2)), width=30)
+    y = head(x[:, :48])
+    assert y.shape == (6, 30)
+    torch.testing.assert_close(y, x[:, :48] @ w[:, :30], rtol=1e-5, atol=1e-5)
+
+
+def _attention_ref(q, k, v, mask):
+    """float64 softmax(q k^T / sqrt(d) + mask) v; q (n, d), k/v (keys, d), mask (n, keys) additive."""
+    s = q.double() @ k.double().T / q.shape[-1] ** 0.5 + mask.double()
+    return s.softmax(dim=-1) @ v.double()
+
+
+def _rotate_ref(t, cos, sin):
+    swapped = t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return t.double() * cos.double() + swapped.double() * sin.double()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("h, kvh", [(2, 2), (4, 2), (4, 1)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_self_attention_matches_reference(h, kvh, masked, threads):
+    """Rotary on q and k (at `pos`), k and v written at `slots`, each query over its row's keys: causal by
+    slot, or under an explicit additive mask; kv head j % kvh serves query head j; ragged rows."""
+    _needs_kernel()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(h * 10 + kvh + masked)
+        rows, n, d, cap = 3, 4, 16, 40
+        heads = torch.randn(rows * n, (h + 2 * kvh) * d, generator=g)
+        cos, sin = torch.randn(64, d, generator=g), torch.randn(64, d, generator=g)
+        k_cache, v_cache = torch.randn(rows, kvh, cap, d, generator=g), torch.randn(rows, kvh, cap, d, generator=g)
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        slots = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [0, 1, 2, 3]])  # rows at different lengths
+        pos = slots + torch.tensor([[0], [20], [3]])  # positions need not be the slots (tree nodes)
+        keys = int(slots.max()) + 1
+        mask = None
+        if masked:
+            mask = torch.where(torch.rand(rows, n, keys, generator=g) < 0.3, float("-inf"), 0.0)
+            mask[torch.arange(rows)[:, None], torch.arange(n), slots] = 0.0  # each query sees its own slot
+        out = kernels.self_attention(heads, cos, sin, pos, slots, k_cache, v_cache, mask, keys, h, kvh)
+        t = heads.view(rows, n, h + 2 * kvh, d)
+        for r in range(rows):
+            c, s = cos[pos[r]][:, None], sin[pos[r]][:, None]
+            q = _rotate_ref(t[r, :, :h], c, s)
+            k_new, v_new = _rotate_ref(t[r, :, h : h + kvh], c, s), t[r, :, h + kvh :].double()
+            k_ref, v_ref = k_before[r].double().clone(), v_before[r].double().clone()
+            k_ref[:, slots[r]] = k_new.transpose(0, 1)
+            v_ref[:, slots[r]] = v_new.transpose(0, 1)
+            torch.testing.assert_close(k_cache[r].double(), k_ref, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(v_cache[r].double(), v_ref)
+            causal = torch.where(torch.arange(keys) <= slots[r][:, None], 0.0, float("-inf"))
+            m = causal if mask is None else mask[r]
+            for j in range(h):
+                ref = _attention_ref(q[:, j], k_ref[j % kvh, :keys], v_ref[j % kvh, :keys], m)
+                got = out.view(rows, n, h, d)[r, :, j]
+                torch.testing.assert_close(got.double(), ref, rtol=2e-5, atol=2e-5)
+        # slots beyond `keys` were not touched
+        torch.testing.assert_close(k_cache[:, :, keys:], k_before[:, :, keys:], rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cross_attention_matches_reference():
+    _needs_kernel()
+    g = torch.Generator().manual_seed(1)
+    rows, n, h, S, d = 3, 2, 2, 23, 24
+    q = torch.randn(rows * n, h * d, generator=g)
+    keys, values = torch.randn(rows, h, S, d, generator=g), torch.randn(rows, h, S, d, generator=g)
+    mask = torch.where(torch.arange(S) < torch.tensor([[23], [10], [1]]), 0.0, float("-inf"))
+    for m in (None, mask):
+        out = kernels.cross_attention(q, keys, values, m).view(rows, n, h, d)
+        for r in range(rows):
+            for j in range(h):
+                mr = torch.zeros(n, S) if m is None else m[r].expand(n, S)
+                ref = _attention_ref(q.view(rows, n, h, d)[r, :, j], keys[r, j], values[r, j], mr)
+                torch.testing.assert_close(out[r, :, j].double(), ref, rtol=2e-5, atol=2e-5)
+
+
+def test_attention_rejects_bad_arguments():
+    _needs_kernel()
+    heads = torch.randn(2, 3 * 16)
+    cos = sin = torch.randn(8, 16)
+    cache = torch.zeros(1, 1, 8, 16)
+    slots = torch.tensor([[0, 1]])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.self_attention(heads, cos, sin, slots, slots + 7, cache, cache.clone(), None, 8, 1, 1)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernels.cross_attention(torch.randn(1, 12), torch.randn(1, 1, 3, 12), torch.randn(1, 1, 3, 12), None)

@@ -62,6 +62,14 @@ class KVCache:
         self.high = max(self.high, end)
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def layer(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
+        """This layer's whole K/V buffers (rows, kv_heads, capacity, dim_head), for a kernel that
+        writes slots below `end` itself (`kernels.self_attention`)."""
+        if end > self.capacity:
+            raise ValueError(f"end {end} exceeds the cache capacity {self.capacity}")
+        self.high = max(self.high, end)
+        return self.k[layer], self.v[layer]
+
     def crop(self, lengths: Tensor) -> None:
         """Set each row's committed length (rollback or commit); no tensor is rebuilt."""
         self.lengths = lengths.to(self.lengths)

@@ -83,8 +83,11 @@ _PACK_MIN_WORK = 1 << 22
 
 
 def _packed_or(w_t: Tensor) -> Tensor | Packed:
-    """The kernel's packed layout where it runs, else the (in, out) matrix."""
-    return Packed(w_t) if Packed.fits(w_t) else w_t
+    """The kernel's packed layout where it runs, else the (in, out) matrix. For the heads: a vocabulary
+    that is not whole panels (e.g. 130) gets zero columns, sliced off the product's result."""
+    if not kernels.available(w_t.device, w_t.dtype):
+        return w_t
+    return Packed(F.pad(w_t, (0, -w_t.shape[1] % PANEL)), width=w_t.shape[1])
 
 
 def _normed_mm(x: Tensor, w: Tensor | Packed) -> Tensor:
@@ -150,9 +153,8 @@ class _FeedForward:
     def residual(self, x: Tensor) -> Tensor:
         """x + ff(x) for x (tokens, dim), the residual add folded into the output product."""
         b = self.blocks
-        if b == 0:
-            h, gate = self.w_in(x, self.b_in, normalize=True).chunk(2, dim=-1)
-            return self.w_out(F.gelu(gate) * h, self.b_out, residual=x)
+        if b == 0:  # the kernel: GEGLU applied while reading w_out's input
+            return self.w_out(self.w_in(x, self.b_in, normalize=True), self.b_out, residual=x, geglu=True)
         xn = _unit(x)
         if b == 1:
             h, gate = torch.addmm(self.b_in, xn, self.w_in).chunk(2, dim=-1)
@@ -209,6 +211,7 @@ class Decoder:
         self.layer_evals = [0] * self.depth  # token-layer evaluations, per layer (rows x tokens)
         self._rope: tuple[Tensor, Tensor] | None = None
         self._prepared: list[_LayerWeights] | None = None
+        self._fused_attention = False  # set with the prepared weights: `run` uses `_run_fused`
         self._exit_head: _ExitHead | None = None
         self._target_head: Tensor | Packed | None = None  # (dim, vocab), final norm folded in
         self._state: tuple | None = None  # what the prepared weights were built from (`begin`)
@@ -306,6 +309,10 @@ class Decoder:
                 )
                 for sa, cross, ff in self.layers
             ]
+            # fused attention: heads in whole AVX2 vectors and every product on the kernel
+            self._fused_attention = self.dim_head % 8 == 0 and all(
+                isinstance(t, Packed) for w in self._prepared for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in)
+            )
         return self._prepared
 
     def _layer_elements(self) -> int:
@@ -383,6 +390,9 @@ class Decoder:
         if self._rope is None or end > self._rope[0].shape[0]:
             self._ensure_rope(max(end, 2 * cache.capacity))
         cos_t, sin_t = self._rope
+        weights = self._weights()
+        if self._fused_attention and (real is None or not self._packs(rows, n, real)):
+            return self._run_fused(x, start, layers, enc, cache, attn_mask, positions, end, weights)
         if positions is not None:
             if attn_mask is None:
                 raise ValueError("positions other than the slots need an explicit attn_mask")
@@ -405,18 +415,13 @@ class Decoder:
         x = x.reshape(rows * n, dim)
         # packed: the projections see only the real tokens; attention scatters them into the padded
         # (rows, n) layout (buffers zeroed once, padding entries stay zero) and gathers them back
-        keep = None
-        if real is not None:
-            padding = rows * n - int(real.sum())
-            if padding and padding * self._layer_elements() >= _PACK_MIN_WORK:
-                keep = real.reshape(-1).nonzero()[:, 0]
+        keep = real.reshape(-1).nonzero()[:, 0] if real is not None and self._packs(rows, n, real) else None
         if keep is not None:
             x = x.index_select(0, keep)
             cos, sin = self._packed_rope(cos, sin, rows, n, keep)
             heads_pad = x.new_zeros(h_ + 2 * kvh, rows * n, d)
             q_pad = x.new_zeros(rows * n, h_ * d)
         tokens = x.shape[0]
-        weights = self._weights()
         for i in layers:
             w = weights[i]
             # causal self-attention over the row's cache; q and k rotated together
@@ -457,6 +462,44 @@ class Decoder:
             self.layer_evals[i] += tokens
         if keep is not None:
             x = x.new_zeros(rows * n, dim).index_copy_(0, keep, x)
+        return x.view(rows, n, dim)
+
+    def _packs(self, rows: int, n: int, real: Tensor) -> bool:
+        """Whether `run` computes only the real tokens of padded rows (see `_PACK_MIN_WORK`)."""
+        padding = rows * n - int(real.sum())
+        return bool(padding) and padding * self._layer_elements() >= _PACK_MIN_WORK
+
+    def _run_fused(
+        self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
+        attn_mask: Tensor | None, positions: Tensor | None, end: int, weights: list[_LayerWeights],
+    ) -> Tensor:
+        """`run` with each attention in one kernel call (rotary, cache write, attention, layout):
+        float32 on the small-product kernel's CPUs. Same contract as `run`; padding rows are computed."""
+        rows, n, dim = x.shape
+        offset = torch.arange(n, device=x.device)
+        slots = (start + offset if isinstance(start, int) else start[:, None] + offset).expand(rows, n).contiguous()
+        pos = slots if positions is None else positions.expand(rows, n).contiguous()
+        mask = None
+        if attn_mask is not None:  # a caller's mask (trees, beams); None: causal by slot
+            if attn_mask.dtype == torch.bool:
+                attn_mask = _additive(attn_mask, x.dtype)
+            if attn_mask is not None:
+                mask = attn_mask.reshape(-1, n, attn_mask.shape[-1])  # (1 or rows, n, keys)
+                if mask.stride(-1) != 1:
+                    mask = mask.contiguous()
+        cross_mask = None if enc.mask is None else enc.mask[:, 0, 0]
+        cos_t, sin_t = self._rope
+        x = x.reshape(rows * n, dim)
+        for i in layers:
+            w = weights[i]
+            k_cache, v_cache = cache.layer(i, end)
+            heads = w.qkv(x, normalize=True)
+            a = kernels.self_attention(heads, cos_t, sin_t, pos, slots, k_cache, v_cache, mask, end, self.heads, self.kv_heads)
+            x = w.attn_out_t(a, residual=x)
+            q = w.cross_q_t(x, normalize=True)
+            x = w.cross_out_t(kernels.cross_attention(q, enc.keys[i], enc.values[i], cross_mask), residual=x)
+            x = w.ff.residual(x)
+            self.layer_evals[i] += rows * n
         return x.view(rows, n, dim)
 
     @staticmethod

@@ -27,7 +27,7 @@ from torch import Tensor
 PANEL = 16
 # read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
 ENABLED = os.environ.get("TTS_SPECDEC_KERNELS", "1") != "0"
-_SOURCE = Path(__file__).with_name("csrc") / "small_gemm.cpp"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp")]
 _module = None
 _failed: str | None = None
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def _load():
                 from torch.utils.cpp_extension import load
 
                 _module = load(
-                    "tts_specdec_small_gemm", [str(_SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False
+                    "tts_specdec_small_gemm", [str(p) for p in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False
                 )
         finally:
             ext_log.setLevel(level)
@@ -79,11 +79,14 @@ def unavailable_reason() -> str | None:
 class Packed:
     """A weight stored as (in, out) for `x @ w`, packed into (out / 16, in, 16) panels for the kernel."""
 
-    def __init__(self, w_t: Tensor) -> None:
+    def __init__(self, w_t: Tensor, width: int | None = None) -> None:
+        """width: the columns that matter when w_t was padded with zeros to whole panels; products
+        return a view of that many columns (bias and residual then have the padded width)."""
         rows, cols = w_t.shape
         if cols % PANEL:
             raise ValueError(f"w_t: output width {cols} is not a multiple of {PANEL}")
         self.panels = w_t.detach().reshape(rows, cols // PANEL, PANEL).transpose(0, 1).contiguous()
+        self.width = cols if width is None else width
 
     @staticmethod
     def fits(w_t: Tensor) -> bool:
@@ -93,12 +96,34 @@ class Packed:
         return self.panels.numel()
 
     def __call__(
-        self, x: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, normalize: bool = False
+        self, x: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, normalize: bool = False,
+        geglu: bool = False,
     ) -> Tensor:
         """(x / ||x|| if normalize else x) @ w + bias + residual for x (tokens, in) -> (tokens, out),
-        a new contiguous tensor. The row norm (F.normalize: max(||x||, 1e-12)) scales the sums."""
+        a new contiguous tensor. The row norm (F.normalize: max(||x||, 1e-12)) scales the sums.
+        geglu: x is (tokens, 2 in) = [h | gate] and h * gelu(gate) (exact GELU) is multiplied instead."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
-        return _module.small_gemm(x, self.panels, bias, residual, normalize)
+        y = _module.small_gemm(x, self.panels, bias, residual, normalize, geglu)
+        return y if y.shape[1] == self.width else y[:, : self.width]
+
+
+def self_attention(
+    heads: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
+    mask: Tensor | None, keys: int, h: int, kvh: int,
+) -> Tensor:
+    """One decoder layer's self-attention for a few queries per row, in one call (csrc/attention.cpp).
+
+    heads (rows * n, (h + 2 kvh) d): every token's q, k, v heads; cos/sin (P, d) the rotary tables
+    (sign folded into sin, `Decoder._ensure_rope`); pos/slots (rows, n) int64: each token's rotary
+    position and cache slot. Rotated k and v are written into k_cache/v_cache (rows, kvh, capacity, d)
+    at the slots; each query then attends the slots <= its own, or, with `mask` (1 or rows, n, keys)
+    additive, the first `keys` slots under that mask. Returns (rows * n, h d)."""
+    return _module.self_attention(heads, cos, sin, pos, slots, k_cache, v_cache, mask, keys, h, kvh)
+
+
+def cross_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """q (rows * n, h d) over keys/values (rows, h, S, d) with an additive mask (rows, S) -> (rows * n, h d)."""
+    return _module.cross_attention(q, keys, values, mask)

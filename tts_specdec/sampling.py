@@ -36,7 +36,8 @@ def cfg_mix(logits: Tensor, scale: float) -> Tensor:
 
 def filter_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     """Temperature, then top-k, then top-p (nucleus) masking with -inf. Not used when greedy."""
-    logits = logits / cfg.temperature
+    if cfg.temperature != 1:
+        logits = logits / cfg.temperature
     if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
         kth = logits.topk(cfg.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

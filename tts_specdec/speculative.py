@@ -24,10 +24,11 @@ from .sampling import Acceptance, SamplingConfig, cfg_mix, draw, greedy_accept, 
 
 @dataclass
 class _Rows:
-    """Active sequences: original index, committed length, output so far, pending decoder input."""
+    """Active sequences. Bookkeeping is in Python lists: a decoding step has a handful of rows, and
+    every tensor op here costs a few microseconds of dispatch (the step's layers cost ~1 ms)."""
 
-    index: Tensor  # (n,) original row of each active sequence
-    pos: Tensor  # (n,) committed positions = position of the pending input
+    index: list[int]  # original row of each active sequence
+    pos: list[int]  # committed positions = position of the pending input
     x: Tensor  # (rows, 1, dim) pending input embedding (not yet through any layer)
 
 
@@ -53,22 +54,23 @@ def sample_loop(
     guided = cond_scale > 1
     enc = dec.encode(source, guided)
     cache = dec.new_cache(enc.rows, min(max_length, 256) + gamma + 2)
-    out = torch.zeros(batch, max_length + gamma + 1, dtype=torch.long, device=device)
-    out_len = torch.zeros(batch, dtype=torch.long, device=device)
-    final_len = torch.full((batch,), max_length, dtype=torch.long, device=device)
-    rows = _Rows(torch.arange(batch, device=device), torch.zeros(batch, dtype=torch.long, device=device), dec.start(enc.rows))
+    out: list[list[int]] = [[] for _ in range(batch)]
+    rows = _Rows(list(range(batch)), [0] * batch, dec.start(enc.rows))
     trunk = range(dec.exit_layer) if gamma else range(0)
     upper = range(len(trunk), dec.depth)
     logits_of = lambda h, head: cfg_mix(head(h), cond_scale) if guided else head(h)  # noqa: E731
 
-    while rows.index.numel():
-        cache.grow(int(rows.pos.max()) + gamma + 2)
-        start = dec.start_of(rows.pos, guided)
+    while rows.index:
+        cache.grow(max(rows.pos) + gamma + 2)
+        pos_t = torch.tensor(rows.pos, device=device)
+        start = rows.pos[0] if min(rows.pos) == max(rows.pos) else dec.per_row(pos_t, guided)
         # draft: gamma tokens from the exit head, keeping every exit state for the target
         t0 = time.perf_counter()
         x, exits, q, drafts = rows.x, [], [], []
-        limit = torch.full_like(rows.pos, gamma)  # drafts each row proposes this cycle
-        drafting = torch.ones_like(rows.pos, dtype=torch.bool)
+        limit = drafting = None  # per-row draft counts, only when rows may stop early
+        if draft_confidence is not None:
+            limit = torch.full_like(pos_t, gamma)
+            drafting = torch.ones_like(pos_t, dtype=torch.bool)
         for d in range(gamma):
             h = dec.run(x, start + d, trunk, enc, cache)
             exits.append(h)
@@ -80,7 +82,7 @@ def sample_loop(
                 token = draw(q[-1], generator)
             drafts.append(token)
             x = dec.embed(token[:, None], guided)
-            if draft_confidence is not None:
+            if drafting is not None:
                 q_x = draft_logits.softmax(-1).amax(-1) if cfg.greedy else q[-1].gather(-1, token[:, None])[:, 0]
                 stop = drafting & (q_x < draft_confidence)
                 limit = torch.where(stop, d + 1, limit)
@@ -94,27 +96,34 @@ def sample_loop(
         # verify: the layers above the exit on all gamma + 1 positions at once
         target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)
         # accept: rows keep different numbers of drafts
-        acc = _accept(target_logits, drafts, q, cfg, generator, None if draft_confidence is None else limit)
+        acc = _accept(target_logits, drafts, q, cfg, generator, limit)
         t2 = time.perf_counter()
-        # commit
-        emitted = acc.next_token[:, None]
-        if drafts:
-            emitted = torch.cat((torch.stack(drafts, dim=1), emitted), dim=1)
-            emitted.scatter_(1, acc.accepted[:, None], acc.next_token[:, None])
-        count = acc.accepted + 1
-        ended = _write(out, out_len, final_len, rows.index, emitted, count, dec.eos_id, max_length)
-        _count(stats, acc.accepted, limit if drafts else None, len(drafts), gamma, t1 - t0, t2 - t1)
-        rows.pos = rows.pos + count
+        # commit: accepted drafts, then the correction/bonus token; a row ends at EOS or max_length
+        accepted, next_token = acc.accepted.tolist(), acc.next_token.tolist()
+        drafted = torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in accepted]
+        _count(stats, accepted, None if not drafts else limit.tolist() if limit is not None else [len(drafts)] * len(accepted),
+               len(drafts), gamma, t1 - t0, t2 - t1)
+        keep = []
+        for r, (i, k) in enumerate(zip(rows.index, accepted)):
+            tokens = drafted[r][:k] + [next_token[r]]
+            if dec.eos_id is not None and dec.eos_id in tokens:
+                tokens, ended = tokens[: tokens.index(dec.eos_id)], True
+            else:
+                ended = len(out[i]) + len(tokens) >= max_length
+            out[i].extend(tokens[: max_length - len(out[i])])
+            rows.pos[r] += k + 1
+            if not ended:
+                keep.append(r)
         rows.x = dec.embed(acc.next_token[:, None], guided)
-        cache.crop(dec.per_row(rows.pos, guided))
-        if ended.any():
-            keep = (~ended).nonzero()[:, 0]
-            cache_rows = dec.rows(keep, guided)
+        cache.crop(dec.per_row(torch.tensor(rows.pos, device=device), guided))
+        if len(keep) < len(rows.index):
+            keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+            cache_rows = dec.rows(keep_t, guided)
             cache.reorder(cache_rows)
             enc = enc.select(cache_rows)
-            rows = _Rows(rows.index[keep], rows.pos[keep], rows.x[cache_rows])
-    stats.generated_tokens += int(final_len.sum())
-    return [out[i, : final_len[i]] for i in range(batch)]
+            rows = _Rows([rows.index[r] for r in keep], [rows.pos[r] for r in keep], rows.x[cache_rows])
+    stats.generated_tokens += sum(len(o) for o in out)
+    return [torch.tensor(o, dtype=torch.long, device=device) for o in out]
 
 
 def _accept(
@@ -132,42 +141,21 @@ def _accept(
     return speculative_accept(probabilities(target_logits, cfg), torch.stack(q, dim=1), drafts_t, generator, limit)
 
 
-def _write(
-    out: Tensor, out_len: Tensor, final_len: Tensor, index: Tensor, emitted: Tensor, count: Tensor,
-    eos_id: int | None, max_length: int,
-) -> Tensor:
-    """Append each active row's emitted tokens; record where rows end. Returns the rows that ended."""
-    width = emitted.shape[1]
-    offset = torch.arange(width, device=emitted.device)
-    valid = offset < count[:, None]
-    cols = out_len[index][:, None] + offset
-    out[index[:, None].expand_as(cols)[valid], cols[valid]] = emitted[valid]
-    new_len = out_len[index] + count
-    ended = new_len >= max_length
-    if eos_id is not None:
-        is_eos = (emitted == eos_id) & valid
-        has_eos = is_eos.any(dim=1)
-        eos_at = out_len[index] + is_eos.long().argmax(dim=1)
-        final_len[index[has_eos]] = eos_at[has_eos].clamp(max=max_length)
-        ended |= has_eos
-    out_len[index] = new_len
-    return ended
-
-
 def _count(
-    stats: DecodeStats, accepted: Tensor, limit: Tensor | None, draft_steps: int, gamma: int,
+    stats: DecodeStats, accepted: list[int], limit: list[int] | None, draft_steps: int, gamma: int,
     draft_s: float, verify_s: float,
 ) -> None:
+    """One cycle's counters; `limit`: drafts each row proposed (None without drafts)."""
     stats.steps += 1
     stats.target_passes += 1
     stats.draft_passes += draft_steps
     stats.draft_time += draft_s
     stats.verify_time += verify_s
     if limit is not None:
-        stats.drafted += int(limit.sum())
-        stats.accepted += int(accepted.sum())
-        stats.rejections += int((accepted < limit).sum())
-        hist = torch.bincount(accepted, minlength=gamma + 1).tolist()
+        stats.drafted += sum(limit)
+        stats.accepted += sum(accepted)
+        stats.rejections += sum(a < n for a, n in zip(accepted, limit))
         if not stats.accepted_hist:
             stats.accepted_hist = [0] * (gamma + 1)
-        stats.accepted_hist = [a + b for a, b in zip(stats.accepted_hist, hist)]
+        for a in accepted:
+            stats.accepted_hist[a] += 1

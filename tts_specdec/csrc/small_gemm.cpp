@@ -66,11 +66,27 @@ inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, 
 
 // x (rows, in) with unit column stride; packed (out / 16, in, 16); bias (out,); residual (rows, out).
 // normalize: each row of x is divided by max(||x||, 1e-12) first (F.normalize), applied to the sums.
-torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                         const c10::optional<torch::Tensor>& residual, bool normalize) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat, "x: float32 (rows, in), unit column stride");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.size(1) == x.size(1) && packed.is_contiguous(),
-              "packed: contiguous (out / 16, in, 16) matching x");
+// geglu: x is (rows, 2 in) = [h | gate] and the product takes h * gelu(gate) (exact, erf) instead.
+torch::Tensor small_gemm(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                         const c10::optional<torch::Tensor>& residual, bool normalize, bool geglu) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.stride(1) == 1 && x_in.scalar_type() == at::kFloat, "x: float32 (rows, in), unit column stride");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
+              packed.size(1) * (geglu ? 2 : 1) == x_in.size(1), "packed: contiguous (out / 16, in, 16) matching x");
+  TORCH_CHECK(!(geglu && normalize), "geglu and normalize do not combine");
+  torch::Tensor x = x_in;
+  if (geglu) {
+    const int64_t half = packed.size(1);
+    x = torch::empty({x_in.size(0), half}, x_in.options());
+    const float* src = x_in.data_ptr<float>();
+    float* dst = x.data_ptr<float>();
+    for (int64_t m = 0; m < x_in.size(0); ++m) {
+      const float* hv = src + m * x_in.stride(0);
+      for (int64_t k = 0; k < half; ++k) {
+        const float g = hv[half + k];
+        dst[m * half + k] = g * 0.5f * (1.0f + std::erf(g * float(M_SQRT1_2))) * hv[k];
+      }
+    }
+  }
   const int64_t rows = x.size(0), in = x.size(1), panels = packed.size(0), out = panels * kPanel;
   if (bias) TORCH_CHECK(bias->is_contiguous() && bias->numel() == out, "bias: contiguous (out,)");
   if (residual) TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == out &&
@@ -111,6 +127,16 @@ torch::Tensor small_gemm(const torch::Tensor& x, const torch::Tensor& packed, co
   return y;
 }
 
+// attention.cpp
+torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& cos, const torch::Tensor& sin,
+                             const torch::Tensor& pos, const torch::Tensor& slots, torch::Tensor k_cache,
+                             torch::Tensor v_cache, const c10::optional<torch::Tensor>& mask, int64_t keys,
+                             int64_t h, int64_t kvh);
+torch::Tensor cross_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                              const c10::optional<torch::Tensor>& mask);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "x @ W (+ bias) (+ residual), W packed in 16-column panels, x optionally row-normalised");
+  m.def("self_attention", &self_attention, "rotary + K/V cache write + attention for a few decoding queries");
+  m.def("cross_attention", &cross_attention, "attention of a few decoding queries over source K/V");
 }

@@ -1,0 +1,250 @@
+// Decode-time attention for a few query rows (float32, AVX2/FMA, CPU).
+//
+// A decoding step attends 1-16 queries per sequence over a few hundred keys. torch's
+// scaled_dot_product_attention costs ~20 us per call at that size, nearly all of it set-up; the rotary
+// embedding, the K/V cache writes and the layout copies around it add ~10 small kernels per layer.
+// `self_attention` does all of it in one call: rotate q and k, write k and v into the cache at each
+// token's slot, attend causally by slot (or under an additive mask), and return (tokens, heads * d).
+// `cross_attention` attends queries over precomputed source K/V. Each query is computed on its own
+// with a fixed summation order, so a sequence's result does not depend on what else is in the batch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMinTaskFlops = 1 << 16;  // below this a thread hand-off costs more than it saves
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), Cephes' range reduction and polynomial (~1 ulp);
+// below -87 (weights under 1e-38 of the largest) the result is 0, so -inf (masked) gives 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+// out[0:d] = softmax(q . K[j] * scale + mask[j], j < keys) @ V. K, V rows `ld` floats apart.
+// `buf` holds at least keys rounded up to 8 floats.
+void attend(const float* q, const float* K, const float* V, int64_t ld, int64_t keys, int64_t d,
+            const float* mask, float scale, float* out, float* buf) {
+  int64_t j = 0;
+  for (; j + 4 <= keys; j += 4) {  // four keys at once: four independent FMA chains
+    const float* k0 = K + j * ld;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t t = 0; t < d; t += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + t);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + t), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ld + t), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ld + t), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ld + t), a3);
+    }
+    buf[j] = hsum(a0) * scale;
+    buf[j + 1] = hsum(a1) * scale;
+    buf[j + 2] = hsum(a2) * scale;
+    buf[j + 3] = hsum(a3) * scale;
+  }
+  for (; j < keys; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t t = 0; t < d; t += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + t), _mm256_loadu_ps(K + j * ld + t), a);
+    buf[j] = hsum(a) * scale;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  for (j = 0; j < keys; ++j) {
+    if (mask) buf[j] += mask[j];
+    m = std::max(m, buf[j]);
+  }
+  const int64_t padded = (keys + 7) / 8 * 8;
+  if (m == -std::numeric_limits<float>::infinity()) {  // every key masked: zeros, not NaN
+    std::fill(out, out + d, 0.0f);
+    return;
+  }
+  for (j = keys; j < padded; ++j) buf[j] = -std::numeric_limits<float>::infinity();
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  for (j = 0; j < padded; j += 8) {
+    const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(buf + j), mv));
+    _mm256_storeu_ps(buf + j, p);
+    total = _mm256_add_ps(total, p);
+  }
+  const float inv = 1.0f / hsum(total);
+  float* acc = out;  // accumulate in place: d floats, d / 8 vectors at a time in registers
+  for (int64_t t0 = 0; t0 < d; t0 += 64) {
+    const int64_t w = std::min<int64_t>(64, d - t0) / 8;
+    __m256 a[8];
+    for (int64_t u = 0; u < w; ++u) a[u] = _mm256_setzero_ps();
+    for (j = 0; j < keys; ++j) {
+      const __m256 p = _mm256_set1_ps(buf[j]);
+      const float* v = V + j * ld + t0;
+      for (int64_t u = 0; u < w; ++u) a[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * u), a[u]);
+    }
+    const __m256 s = _mm256_set1_ps(inv);
+    for (int64_t u = 0; u < w; ++u) _mm256_storeu_ps(acc + t0 + 8 * u, _mm256_mul_ps(a[u], s));
+  }
+}
+
+// t * cos + rotate_half(t) * sin with rotate_half(x)[2i, 2i+1] = (-x[2i+1], x[2i]); the sign is
+// folded into the sin table (Decoder._ensure_rope), as in Decoder._rotate.
+inline void rotate(const float* t, const float* c, const float* s, int64_t d, float* out) {
+  for (int64_t i = 0; i < d; i += 2) {
+    out[i] = t[i] * c[i] + t[i + 1] * s[i];
+    out[i + 1] = t[i + 1] * c[i + 1] + t[i] * s[i + 1];
+  }
+}
+
+void check_float(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(-1) == 1, name,
+              ": float32 CPU tensor with unit last stride");
+}
+
+}  // namespace
+
+// heads (rows * n, (h + 2 * kvh) * d): q heads, then k heads, then v heads of every token.
+// cos, sin (P, d) rotary tables; pos, slots (rows, n) int64: rotary position and cache slot of each token.
+// k_cache, v_cache (rows, kvh, capacity, d): this layer's cache; every token's k, v land at its slot.
+// mask (R, n, keys) additive, R 1 or rows, or none: each query sees the slots <= its own.
+// Query head j reads kv head j % kvh (spear-tts repeats kv heads as '(g h)').
+torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& cos, const torch::Tensor& sin,
+                             const torch::Tensor& pos, const torch::Tensor& slots, torch::Tensor k_cache,
+                             torch::Tensor v_cache, const c10::optional<torch::Tensor>& mask, int64_t keys,
+                             int64_t h, int64_t kvh) {
+  check_float(heads, "heads");
+  check_float(k_cache, "k_cache");
+  check_float(v_cache, "v_cache");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "cos, sin: contiguous (P, d)");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && pos.is_contiguous() &&
+              slots.is_contiguous() && pos.dim() == 2 && pos.sizes() == slots.sizes(), "pos, slots: contiguous int64 (rows, n)");
+  const int64_t rows = slots.size(0), n = slots.size(1), d = k_cache.size(3), cap = k_cache.size(2);
+  TORCH_CHECK(heads.dim() == 2 && heads.is_contiguous() && heads.size(0) == rows * n && heads.size(1) == (h + 2 * kvh) * d,
+              "heads: contiguous (rows * n, (h + 2 kvh) d)");
+  TORCH_CHECK(d % 8 == 0 && cos.size(1) == d, "dim_head must be a multiple of 8 and match the rotary tables");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == rows && k_cache.size(1) == kvh && h % kvh == 0,
+              "k_cache, v_cache: (rows, kvh, capacity, d)");
+  TORCH_CHECK(k_cache.stride(2) == d && v_cache.stride(2) == d, "cache slots must be contiguous rows of d");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows * n; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < std::min(cap, keys) && pp[i] >= 0 && pp[i] < cos.size(0), "slot or position out of range");
+  TORCH_CHECK(keys <= cap, "keys exceed the cache capacity");
+  int64_t m_rows = 0, m_rs = 0, m_qs = 0;
+  const float* mp = nullptr;
+  if (mask) {
+    check_float(*mask, "mask");
+    TORCH_CHECK(mask->dim() == 3 && (mask->size(0) == 1 || mask->size(0) == rows) && mask->size(1) == n &&
+                mask->size(2) == keys, "mask: (1 or rows, n, keys)");
+    m_rows = mask->size(0);
+    m_rs = m_rows == 1 ? 0 : mask->stride(0);
+    m_qs = mask->stride(1);
+    mp = mask->data_ptr<float>();
+  }
+  auto out = torch::empty({rows * n, h * d}, heads.options());
+  auto q_rot = torch::empty({rows * n, h * d}, heads.options());
+  const float* hp = heads.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  float* kp = k_cache.data_ptr<float>();
+  float* vp = v_cache.data_ptr<float>();
+  float* qp = q_rot.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t kr = k_cache.stride(0), kh = k_cache.stride(1), vr = v_cache.stride(0), vh = v_cache.stride(1);
+  const int64_t width = (h + 2 * kvh) * d;
+  // rotate q into q_rot, write rotated k and v into the cache (all before any query reads the cache)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t tok = r * n + i, slot = sp[tok];
+      const float* c = cp + pp[tok] * d;
+      const float* s = snp + pp[tok] * d;
+      const float* src = hp + tok * width;
+      for (int64_t j = 0; j < h; ++j) rotate(src + j * d, c, s, d, qp + tok * h * d + j * d);
+      for (int64_t j = 0; j < kvh; ++j) {
+        rotate(src + (h + j) * d, c, s, d, kp + r * kr + j * kh + slot * d);
+        std::copy(src + (h + kvh + j) * d, src + (h + kvh + j + 1) * d, vp + r * vr + j * vh + slot * d);
+      }
+    }
+  }
+  const float scale = 1.0f / std::sqrt(float(d));
+  const int64_t tasks = rows * h, per_task = n * keys * d * 4;
+  const int64_t grain = std::max<int64_t>(1, kMinTaskFlops / std::max<int64_t>(1, per_task));
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf((keys + 7) / 8 * 8);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / h, j = t % h, g = j % kvh;
+      const float* K = kp + r * kr + g * kh;
+      const float* V = vp + r * vr + g * vh;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t tok = r * n + i;
+        const float* m = mp ? mp + (m_rows == 1 ? 0 : r * m_rs) + i * m_qs : nullptr;
+        const int64_t seen = mp ? keys : sp[tok] + 1;
+        attend(qp + tok * h * d + j * d, K, V, d, seen, d, m, scale, op + tok * h * d + j * d, buf.data());
+      }
+    }
+  });
+  return out;
+}
+
+// q (rows * n, h * d); keys, values (rows, h, S, d); mask (rows, S) additive or none -> (rows * n, h * d).
+torch::Tensor cross_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                              const c10::optional<torch::Tensor>& mask) {
+  check_float(q, "q");
+  check_float(keys, "keys");
+  check_float(values, "values");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes(), "keys, values: (rows, h, S, d)");
+  const int64_t rows = keys.size(0), h = keys.size(1), S = keys.size(2), d = keys.size(3);
+  TORCH_CHECK(d % 8 == 0, "dim_head must be a multiple of 8");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.size(1) == h * d && q.size(0) % rows == 0, "q: contiguous (rows * n, h * d)");
+  TORCH_CHECK(keys.stride(2) == d && values.stride(2) == d, "keys, values: contiguous (S, d) per head");
+  const int64_t n = q.size(0) / rows;
+  const float* mp = nullptr;
+  int64_t m_rs = 0;
+  if (mask) {
+    check_float(*mask, "mask");
+    TORCH_CHECK(mask->dim() == 2 && mask->size(0) == rows && mask->size(1) == S, "mask: (rows, S)");
+    mp = mask->data_ptr<float>();
+    m_rs = mask->stride(0);
+  }
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(float(d));
+  const int64_t tasks = rows * h, per_task = n * S * d * 4;
+  const int64_t grain = std::max<int64_t>(1, kMinTaskFlops / std::max<int64_t>(1, per_task));
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf((S + 7) / 8 * 8);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / h, j = t % h;
+      const float* K = kp + r * keys.stride(0) + j * keys.stride(1);
+      const float* V = vp + r * values.stride(0) + j * values.stride(1);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t tok = r * n + i;
+        attend(qp + tok * h * d + j * d, K, V, d, S, d, mp ? mp + r * m_rs : nullptr, scale, op + tok * h * d + j * d, buf.data());
+      }
+    }
+  });
+  return out;
+}
