@@ -62,13 +62,13 @@ class KVCache:
         self.high = max(self.high, end)
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
-    def layer(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
-        """This layer's whole K/V buffers (rows, kv_heads, capacity, dim_head), for a kernel that
-        writes slots below `end` itself (`kernels.self_attention`)."""
+    def buffers(self, end: int) -> tuple[Tensor, Tensor]:
+        """The whole K and V buffers (layers, rows, kv_heads, capacity, dim_head), for a kernel that
+        writes slots below `end` itself (`kernels.run_layers`)."""
         if end > self.capacity:
             raise ValueError(f"end {end} exceeds the cache capacity {self.capacity}")
         self.high = max(self.high, end)
-        return self.k[layer], self.v[layer]
+        return self.k, self.v
 
     def crop(self, lengths: Tensor) -> None:
         """Set each row's committed length (rollback or commit); no tensor is rebuilt."""

@@ -212,6 +212,7 @@ class Decoder:
         self._rope: tuple[Tensor, Tensor] | None = None
         self._prepared: list[_LayerWeights] | None = None
         self._fused_attention = False  # set with the prepared weights: `run` uses `_run_fused`
+        self._flat_weights: list[Tensor] = []  # their tensors in `kernels.run_layers`' order
         self._exit_head: _ExitHead | None = None
         self._target_head: Tensor | Packed | None = None  # (dim, vocab), final norm folded in
         self._state: tuple | None = None  # what the prepared weights were built from (`begin`)
@@ -313,6 +314,11 @@ class Decoder:
             self._fused_attention = self.dim_head % 8 == 0 and all(
                 isinstance(t, Packed) for w in self._prepared for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in)
             )
+            self._flat_weights = [
+                t for w in self._prepared
+                for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in, w.ff.b_in, w.ff.w_out, w.ff.b_out)
+            ] if self._fused_attention else []
+            self._flat_weights = [t.panels if isinstance(t, Packed) else t for t in self._flat_weights]
         return self._prepared
 
     def _layer_elements(self) -> int:
@@ -384,15 +390,14 @@ class Decoder:
         Writes K/V into `cache`; returns hidden states.
         """
         rows, n = x.shape[:2]
-        end = (start if isinstance(start, int) else int(start.max())) + n
-        if positions is not None:
-            end = max(end, int(positions.max()) + 1)
-        if self._rope is None or end > self._rope[0].shape[0]:
-            self._ensure_rope(max(end, 2 * cache.capacity))
+        end = (start if isinstance(start, int) else int(start.max())) + n  # one past the furthest slot
+        rope_end = end if positions is None else max(end, int(positions.max()) + 1)
+        if self._rope is None or rope_end > self._rope[0].shape[0]:
+            self._ensure_rope(max(rope_end, 2 * cache.capacity))
         cos_t, sin_t = self._rope
         weights = self._weights()
         if self._fused_attention and (real is None or not self._packs(rows, n, real)):
-            return self._run_fused(x, start, layers, enc, cache, attn_mask, positions, end, weights)
+            return self._run_fused(x, start, layers, enc, cache, attn_mask, positions, end)
         if positions is not None:
             if attn_mask is None:
                 raise ValueError("positions other than the slots need an explicit attn_mask")
@@ -471,7 +476,7 @@ class Decoder:
 
     def _run_fused(
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
-        attn_mask: Tensor | None, positions: Tensor | None, end: int, weights: list[_LayerWeights],
+        attn_mask: Tensor | None, positions: Tensor | None, end: int,
     ) -> Tensor:
         """`run` with each attention in one kernel call (rotary, cache write, attention, layout):
         float32 on the small-product kernel's CPUs. Same contract as `run`; padding rows are computed."""
@@ -488,17 +493,10 @@ class Decoder:
                 if mask.stride(-1) != 1:
                     mask = mask.contiguous()
         cross_mask = None if enc.mask is None else enc.mask[:, 0, 0]
-        cos_t, sin_t = self._rope
-        x = x.reshape(rows * n, dim)
+        k_all, v_all = cache.buffers(end)
+        x = kernels.run_layers(x.reshape(rows * n, dim), self._flat_weights, layers, *self._rope, pos, slots, k_all,
+                               v_all, mask, end, self.heads, self.kv_heads, enc.keys, enc.values, cross_mask)
         for i in layers:
-            w = weights[i]
-            k_cache, v_cache = cache.layer(i, end)
-            heads = w.qkv(x, normalize=True)
-            a = kernels.self_attention(heads, cos_t, sin_t, pos, slots, k_cache, v_cache, mask, end, self.heads, self.kv_heads)
-            x = w.attn_out_t(a, residual=x)
-            q = w.cross_q_t(x, normalize=True)
-            x = w.cross_out_t(kernels.cross_attention(q, enc.keys[i], enc.values[i], cross_mask), residual=x)
-            x = w.ff.residual(x)
             self.layer_evals[i] += rows * n
         return x.view(rows, n, dim)
 

@@ -27,7 +27,7 @@ from torch import Tensor
 PANEL = 16
 # read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
 ENABLED = os.environ.get("TTS_SPECDEC_KERNELS", "1") != "0"
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "layers.cpp")]
 _module = None
 _failed: str | None = None
 log = logging.getLogger(__name__)
@@ -122,6 +122,22 @@ def self_attention(
     at the slots; each query then attends the slots <= its own, or, with `mask` (1 or rows, n, keys)
     additive, the first `keys` slots under that mask. Returns (rows * n, h d)."""
     return _module.self_attention(heads, cos, sin, pos, slots, k_cache, v_cache, mask, keys, h, kvh)
+
+
+def run_layers(
+    x: Tensor, weights: list[Tensor], layers: range, cos: Tensor, sin: Tensor, pos: Tensor, slots: Tensor,
+    k_all: Tensor, v_all: Tensor, mask: Tensor | None, keys: int, h: int, kvh: int,
+    enc_keys: list[Tensor], enc_values: list[Tensor], cross_mask: Tensor | None,
+) -> Tensor:
+    """Decoder layers `layers` (a contiguous range) on x (tokens, dim), each: normalised q/k/v product,
+    `self_attention`, output product + residual, normalised cross q product, `cross_attention`,
+    output product + residual, feed-forward (normalised input product, GEGLU output product + residual).
+
+    weights: 8 per model layer: qkv, attn_out, cross_q, cross_out, ff_in, ff_in_bias, ff_out,
+    ff_out_bias (`Packed.panels` for products); k_all/v_all: the whole cache (layers, rows, kvh,
+    capacity, d); enc_keys/enc_values: per layer (rows, h, S, d); cross_mask (rows, S) additive."""
+    return _module.run_layers(x, weights, layers.start, layers.stop, cos, sin, pos, slots, k_all, v_all, mask, keys,
+                              h, kvh, enc_keys, enc_values, cross_mask)
 
 
 def cross_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
