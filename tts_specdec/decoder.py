@@ -210,6 +210,7 @@ class Decoder:
         self.vocab_size = model.to_logits[target_type].weight.shape[0]
         self.layer_evals = [0] * self.depth  # token-layer evaluations, per layer (rows x tokens)
         self._rope: tuple[Tensor, Tensor] | None = None
+        self._slot_table: Tensor | None = None
         self._prepared: list[_LayerWeights] | None = None
         self._fused_attention = False  # set with the prepared weights: `run` uses `_run_fused`
         self._flat_weights: list[Tensor] = []  # their tensors in `kernels.run_layers`' order
@@ -289,6 +290,7 @@ class Decoder:
         freqs = self.rotary(pos, seq_len=capacity)
         sign = torch.tensor([-1.0, 1.0], dtype=freqs.dtype, device=freqs.device).repeat(freqs.shape[-1] // 2)
         self._rope = (freqs.cos(), freqs.sin() * sign)  # sign folds rotate_half's negation into sin
+        self._slot_table = torch.arange(capacity, device=self.device)  # slot ranges as views, no new tensor
 
     @staticmethod
     def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -481,9 +483,9 @@ class Decoder:
         """`run` with each attention in one kernel call (rotary, cache write, attention, layout):
         float32 on the small-product kernel's CPUs. Same contract as `run`; padding rows are computed."""
         rows, n, dim = x.shape
-        offset = torch.arange(n, device=x.device)
-        slots = (start + offset if isinstance(start, int) else start[:, None] + offset).expand(rows, n).contiguous()
-        pos = slots if positions is None else positions.expand(rows, n).contiguous()
+        table = self._slot_table
+        slots = table[start : start + n].expand(rows, n) if isinstance(start, int) else start[:, None] + table[:n]
+        pos = slots if positions is None else positions.expand(rows, n)
         mask = None
         if attn_mask is not None:  # a caller's mask (trees, beams); None: causal by slot
             if attn_mask.dtype == torch.bool:

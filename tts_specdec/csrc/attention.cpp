@@ -48,6 +48,35 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
 
+}  // namespace
+
+// out = h * gelu(gate), exact GELU gate / 2 (1 + erf(gate / sqrt 2)), for n floats. erfc(|x|) by
+// Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, the method of torch's own vectorised erf), taken
+// directly for negative gates, where 1 + erf(x) = erfc(|x|) would otherwise cancel.
+void geglu_row(const float* h, const float* gate, float* out, int64_t n) {
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f), rsqrt2 = _mm256_set1_ps(float(M_SQRT1_2));
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + k);
+    const __m256 x = _mm256_mul_ps(g, rsqrt2);
+    const __m256 ax = _mm256_andnot_ps(sign, x);
+    const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), ax, one));
+    __m256 p = _mm256_set1_ps(1.061405429f);
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+    const __m256 erfc = _mm256_mul_ps(_mm256_mul_ps(p, t), exp_nonpositive(_mm256_xor_ps(sign, _mm256_mul_ps(x, x))));
+    const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 one_plus_erf = _mm256_blendv_ps(_mm256_sub_ps(two, erfc), erfc, negative);
+    _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(half, g), one_plus_erf), _mm256_loadu_ps(h + k)));
+  }
+  for (; k < n; ++k) out[k] = gate[k] * 0.5f * (1.0f + std::erf(gate[k] * float(M_SQRT1_2))) * h[k];
+}
+
+namespace {
+
 // out[0:d] = softmax(q . K[j] * scale + mask[j], j < keys) @ V. K, V rows `ld` floats apart.
 // `buf` holds at least keys rounded up to 8 floats.
 void attend(const float* q, const float* K, const float* V, int64_t ld, int64_t keys, int64_t d,
@@ -136,8 +165,8 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
   check_float(k_cache, "k_cache");
   check_float(v_cache, "v_cache");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "cos, sin: contiguous (P, d)");
-  TORCH_CHECK(pos.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && pos.is_contiguous() &&
-              slots.is_contiguous() && pos.dim() == 2 && pos.sizes() == slots.sizes(), "pos, slots: contiguous int64 (rows, n)");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && pos.dim() == 2 &&
+              pos.sizes() == slots.sizes(), "pos, slots: int64 (rows, n)");
   const int64_t rows = slots.size(0), n = slots.size(1), d = k_cache.size(3), cap = k_cache.size(2);
   TORCH_CHECK(heads.dim() == 2 && heads.is_contiguous() && heads.size(0) == rows * n && heads.size(1) == (h + 2 * kvh) * d,
               "heads: contiguous (rows * n, (h + 2 kvh) d)");
@@ -145,10 +174,17 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == rows && k_cache.size(1) == kvh && h % kvh == 0,
               "k_cache, v_cache: (rows, kvh, capacity, d)");
   TORCH_CHECK(k_cache.stride(2) == d && v_cache.stride(2) == d, "cache slots must be contiguous rows of d");
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows * n; ++i)
-    TORCH_CHECK(sp[i] >= 0 && sp[i] < std::min(cap, keys) && pp[i] >= 0 && pp[i] < cos.size(0), "slot or position out of range");
+  // each token's slot and position, gathered from any strides (expanded rows are common)
+  std::vector<int64_t> sp(rows * n), pp(rows * n);
+  const int64_t* sd = slots.data_ptr<int64_t>();
+  const int64_t* pd = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n; ++i) {
+      sp[r * n + i] = sd[r * slots.stride(0) + i * slots.stride(1)];
+      pp[r * n + i] = pd[r * pos.stride(0) + i * pos.stride(1)];
+      TORCH_CHECK(sp[r * n + i] >= 0 && sp[r * n + i] < std::min(cap, keys) && pp[r * n + i] >= 0 &&
+                  pp[r * n + i] < cos.size(0), "slot or position out of range");
+    }
   TORCH_CHECK(keys <= cap, "keys exceed the cache capacity");
   int64_t m_rows = 0, m_rs = 0, m_qs = 0;
   const float* mp = nullptr;

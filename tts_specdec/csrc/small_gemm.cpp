@@ -12,6 +12,8 @@
 #include <cmath>
 #include <vector>
 
+void geglu_row(const float* h, const float* gate, float* out, int64_t n);  // attention.cpp, beside its exp
+
 namespace {
 
 constexpr int64_t kPanel = 16;
@@ -81,10 +83,7 @@ torch::Tensor small_gemm(const torch::Tensor& x_in, const torch::Tensor& packed,
     float* dst = x.data_ptr<float>();
     for (int64_t m = 0; m < x_in.size(0); ++m) {
       const float* hv = src + m * x_in.stride(0);
-      for (int64_t k = 0; k < half; ++k) {
-        const float g = hv[half + k];
-        dst[m * half + k] = g * 0.5f * (1.0f + std::erf(g * float(M_SQRT1_2))) * hv[k];
-      }
+      geglu_row(hv, hv + half, dst + m * half, half);
     }
   }
   const int64_t rows = x.size(0), in = x.size(1), panels = packed.size(0), out = panels * kPanel;
