@@ -92,7 +92,9 @@ class SpeculativeDecoder:
         gamma: int = 0,
         draft_width: int | None = None,
     ) -> Decoded:
-        """Exact beam search over target log-probs; gamma > 0 speeds it up without changing the result."""
+        """Exact beam search over target log-probs. gamma > 0 drafts steps with the early-exit head and
+        verifies them in tree passes, with the same result; it pays only where verifying many tokens
+        costs about one step (GPUs): on CPUs with this package's kernels it is slower (README)."""
         max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
         beam_size = check_int("beam_size", beam_size, 1)
         length_penalty = check_float("length_penalty", length_penalty)

@@ -480,8 +480,9 @@ class Decoder:
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
         attn_mask: Tensor | None, positions: Tensor | None, end: int,
     ) -> Tensor:
-        """`run` with each attention in one kernel call (rotary, cache write, attention, layout):
-        float32 on the small-product kernel's CPUs. Same contract as `run`; padding rows are computed."""
+        """`run` on the CPU kernels (float32, AVX2): the layers in one `kernels.run_layers` call, each
+        attention in one kernel (rotary, cache write, attention, layout). Same contract as `run`; padding
+        positions are computed like real ones."""
         rows, n, dim = x.shape
         table = self._slot_table
         slots = table[start : start + n].expand(rows, n) if isinstance(start, int) else start[:, None] + table[:n]
