@@ -10,12 +10,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 LAYERS, ROWS, HEADS, CAP, DIM = 2, 4, 2, 8, 3
 
 
-def filled(high: int = 5) -> KVCache:
+def filled(high: int = 5, dtype: torch.dtype = torch.float64) -> KVCache:
     """A cache whose every written slot holds a distinct value; positions < high written."""
-    cache = KVCache(LAYERS, ROWS, HEADS, DIM, CAP, dtype=torch.float64, device=torch.device("cpu"))
+    cache = KVCache(LAYERS, ROWS, HEADS, DIM, CAP, dtype=dtype, device=torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     for layer in range(LAYERS):
-        k = torch.randn(ROWS, HEADS, high, DIM, generator=g, dtype=torch.float64)
+        k = torch.randn(ROWS, HEADS, high, DIM, generator=g, dtype=dtype)
         cache.write(layer, k, -k, 0)
     cache.crop(torch.tensor([5, 3, 4, 1]))
     return cache
@@ -60,8 +60,10 @@ def test_crop_moves_lengths_only():
     [[2, 0, 3, 1], [1, 0, 2, 3], [0, 1, 2, 3], [3, 3, 0, 0], [2, 0], [1], [0, 0, 1, 1, 2, 2]],
     ids=["permutation", "swap", "identity", "beams", "fewer", "one", "more"],
 )
-def test_reorder_gathers_rows(index):
-    cache = filled()
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["torch", "kernel"])  # float32: the C++ path
+def test_reorder_gathers_rows(index, dtype):
+    cache = filled(dtype=dtype)
+    cache.k[:, :, :, cache.high :] = 7.0  # slots at and past `high` are never read; same-size reorders leave them
     k, v, lengths = cache.k.clone(), cache.v.clone(), cache.lengths.clone()
     index = torch.tensor(index)
     cache.reorder(index)
@@ -69,6 +71,8 @@ def test_reorder_gathers_rows(index):
     assert torch.equal(cache.k[:, :, :, : cache.high], k[:, index, :, : cache.high])
     assert torch.equal(cache.v[:, :, :, : cache.high], v[:, index, :, : cache.high])
     assert torch.equal(cache.lengths, lengths[index])
+    if len(index) == ROWS:
+        assert (cache.k[:, :, :, cache.high :] == 7.0).all()
 
 
 def test_repeat_makes_consecutive_copies():

@@ -144,6 +144,12 @@ def run_layers(
                               h, kvh, enc_keys, enc_values, cross_mask)
 
 
+def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:
+    """In place: rows r of a cache buffer t (layers, rows, heads, capacity, d), float32 CPU contiguous,
+    become rows index[r] (index (rows,)), slots below `high`; unmoved rows are not touched."""
+    _module.reorder_rows(t, index, high)
+
+
 def cross_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """q (rows * n, h d) over keys/values (rows, h, S, d) with an additive mask (rows, S) -> (rows * n, h d)."""
     return _module.cross_attention(q, keys, values, mask)

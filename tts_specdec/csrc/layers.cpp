@@ -38,3 +38,39 @@ torch::Tensor run_layers(torch::Tensor x, const std::vector<torch::Tensor>& weig
   }
   return x;
 }
+
+// In place: rows r of t (layers, rows, heads, capacity, d) become rows index[r], slots below `high`
+// only. Rows that keep their place are not touched; sources are read before any row is written.
+void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
+  TORCH_CHECK(t.dim() == 5 && t.is_contiguous() && t.scalar_type() == at::kFloat && t.device().is_cpu(),
+              "t: contiguous float32 CPU (layers, rows, heads, capacity, d)");
+  const int64_t layers = t.size(0), rows = t.size(1), heads = t.size(2), cap = t.size(3), d = t.size(4);
+  TORCH_CHECK(index.dim() == 1 && index.size(0) == rows && index.scalar_type() == at::kLong, "index: int64 (rows,)");
+  TORCH_CHECK(0 <= high && high <= cap, "high out of range");
+  const auto idx = index.contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  std::vector<int64_t> moved;
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(0 <= ip[r] && ip[r] < rows, "index out of range");
+    if (ip[r] != r) moved.push_back(r);
+  }
+  if (moved.empty() || high == 0) return;
+  float* base = t.data_ptr<float>();
+  const int64_t span = high * d, row_stride = heads * cap * d;
+  at::parallel_for(0, layers, 1, [&](int64_t l0, int64_t l1) {
+    std::vector<float> tmp(moved.size() * heads * span);
+    for (int64_t l = l0; l < l1; ++l) {
+      float* layer = base + l * rows * row_stride;
+      for (size_t m = 0; m < moved.size(); ++m)
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* src = layer + ip[moved[m]] * row_stride + h * cap * d;
+          std::copy(src, src + span, tmp.data() + (m * heads + h) * span);
+        }
+      for (size_t m = 0; m < moved.size(); ++m)
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* src = tmp.data() + (m * heads + h) * span;
+          std::copy(src, src + span, layer + moved[m] * row_stride + h * cap * d);
+        }
+    }
+  });
+}
