@@ -317,10 +317,10 @@ class Decoder:
                 isinstance(t, Packed) for w in self._prepared for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in)
             )
             self._flat_weights = [
-                t for w in self._prepared
+                t.panels if isinstance(t, Packed) else t
+                for w in (self._prepared if self._fused_attention else [])
                 for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in, w.ff.b_in, w.ff.w_out, w.ff.b_out)
-            ] if self._fused_attention else []
-            self._flat_weights = [t.panels if isinstance(t, Packed) else t for t in self._flat_weights]
+            ]
         return self._prepared
 
     def _layer_elements(self) -> int:

@@ -63,7 +63,7 @@ def sample_loop(
     while rows.index:
         cache.grow(max(rows.pos) + gamma + 2)
         pos_t = torch.tensor(rows.pos, device=device)
-        start = rows.pos[0] if min(rows.pos) == max(rows.pos) else dec.per_row(pos_t, guided)
+        start = dec.start_of(pos_t, guided)
         # draft: gamma tokens from the exit head, keeping every exit state for the target
         t0 = time.perf_counter()
         x, exits, q, drafts = rows.x, [], [], []
@@ -101,8 +101,10 @@ def sample_loop(
         # commit: accepted drafts, then the correction/bonus token; a row ends at EOS or max_length
         accepted, next_token = acc.accepted.tolist(), acc.next_token.tolist()
         drafted = torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in accepted]
-        _count(stats, accepted, None if not drafts else limit.tolist() if limit is not None else [len(drafts)] * len(accepted),
-               len(drafts), gamma, t1 - t0, t2 - t1)
+        proposed = None  # drafts each row proposed this cycle
+        if drafts:
+            proposed = limit.tolist() if limit is not None else [len(drafts)] * len(accepted)
+        _count(stats, accepted, proposed, len(drafts), gamma, t1 - t0, t2 - t1)
         keep = []
         for r, (i, k) in enumerate(zip(rows.index, accepted)):
             tokens = drafted[r][:k] + [next_token[r]]

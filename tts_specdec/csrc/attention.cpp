@@ -145,6 +145,17 @@ inline void rotate(const float* t, const float* c, const float* s, int64_t d, fl
   }
 }
 
+// fn(r, j, buf) for every row r and query head j, over torch's threads with at least kMinTaskFlops of
+// work per thread; buf holds `keys` scores rounded up to 8 floats (what `attend` needs).
+template <typename Fn>
+void for_each_row_head(int64_t rows, int64_t h, int64_t flops_per_head, int64_t keys, const Fn& fn) {
+  const int64_t grain = std::max<int64_t>(1, kMinTaskFlops / std::max<int64_t>(1, flops_per_head));
+  at::parallel_for(0, rows * h, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf((keys + 7) / 8 * 8);
+    for (int64_t t = t0; t < t1; ++t) fn(t / h, t % h, buf.data());
+  });
+}
+
 void check_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(-1) == 1, name,
               ": float32 CPU tensor with unit last stride");
@@ -223,20 +234,14 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
     }
   }
   const float scale = 1.0f / std::sqrt(float(d));
-  const int64_t tasks = rows * h, per_task = n * keys * d * 4;
-  const int64_t grain = std::max<int64_t>(1, kMinTaskFlops / std::max<int64_t>(1, per_task));
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf((keys + 7) / 8 * 8);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / h, j = t % h, g = j % kvh;
-      const float* K = kp + r * kr + g * kh;
-      const float* V = vp + r * vr + g * vh;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t tok = r * n + i;
-        const float* m = mp ? mp + (m_rows == 1 ? 0 : r * m_rs) + i * m_qs : nullptr;
-        const int64_t seen = mp ? keys : sp[tok] + 1;
-        attend(qp + tok * h * d + j * d, K, V, d, seen, d, m, scale, op + tok * h * d + j * d, buf.data());
-      }
+  for_each_row_head(rows, h, n * keys * d * 4, keys, [&](int64_t r, int64_t j, float* buf) {
+    const float* K = kp + r * kr + (j % kvh) * kh;
+    const float* V = vp + r * vr + (j % kvh) * vh;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t tok = r * n + i;
+      const float* m = mp ? mp + (m_rows == 1 ? 0 : r * m_rs) + i * m_qs : nullptr;
+      const int64_t seen = mp ? keys : sp[tok] + 1;
+      attend(qp + tok * h * d + j * d, K, V, d, seen, d, m, scale, op + tok * h * d + j * d, buf);
     }
   });
   return out;
@@ -268,18 +273,12 @@ torch::Tensor cross_attention(const torch::Tensor& q, const torch::Tensor& keys,
   const float* vp = values.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(float(d));
-  const int64_t tasks = rows * h, per_task = n * S * d * 4;
-  const int64_t grain = std::max<int64_t>(1, kMinTaskFlops / std::max<int64_t>(1, per_task));
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf((S + 7) / 8 * 8);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / h, j = t % h;
-      const float* K = kp + r * keys.stride(0) + j * keys.stride(1);
-      const float* V = vp + r * values.stride(0) + j * values.stride(1);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t tok = r * n + i;
-        attend(qp + tok * h * d + j * d, K, V, d, S, d, mp ? mp + r * m_rs : nullptr, scale, op + tok * h * d + j * d, buf.data());
-      }
+  for_each_row_head(rows, h, n * S * d * 4, S, [&](int64_t r, int64_t j, float* buf) {
+    const float* K = kp + r * keys.stride(0) + j * keys.stride(1);
+    const float* V = vp + r * values.stride(0) + j * values.stride(1);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t tok = r * n + i;
+      attend(qp + tok * h * d + j * d, K, V, d, S, d, mp ? mp + r * m_rs : nullptr, scale, op + tok * h * d + j * d, buf);
     }
   });
   return out;

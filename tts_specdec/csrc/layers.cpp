@@ -1,5 +1,6 @@
 // A range of decoder layers in one call: the per-layer sequence of `Decoder._run_fused` without the
 // Python in between (at 1-7 rows a layer's kernels take ~40 us; Python dispatch around them took as long).
+// Also the cache's beam reordering, and the module's Python bindings for all three source files.
 #include <torch/extension.h>
 
 torch::Tensor small_gemm(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
@@ -73,4 +74,12 @@ void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
         }
     }
   });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("small_gemm", &small_gemm, "x @ W (+ bias) (+ residual), W packed in 16-column panels, x optionally row-normalised");
+  m.def("self_attention", &self_attention, "rotary + K/V cache write + attention for a few decoding queries");
+  m.def("cross_attention", &cross_attention, "attention of a few decoding queries over source K/V");
+  m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
+  m.def("run_layers", &run_layers, "decoder layers [first, last) on a few tokens: products and attention in one call");
 }

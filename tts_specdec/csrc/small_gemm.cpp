@@ -125,27 +125,3 @@ torch::Tensor small_gemm(const torch::Tensor& x_in, const torch::Tensor& packed,
   });
   return y;
 }
-
-// attention.cpp
-torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& cos, const torch::Tensor& sin,
-                             const torch::Tensor& pos, const torch::Tensor& slots, torch::Tensor k_cache,
-                             torch::Tensor v_cache, const c10::optional<torch::Tensor>& mask, int64_t keys,
-                             int64_t h, int64_t kvh);
-torch::Tensor cross_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                              const c10::optional<torch::Tensor>& mask);
-// layers.cpp
-torch::Tensor run_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights, int64_t first, int64_t last,
-                         const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& pos,
-                         const torch::Tensor& slots, const torch::Tensor& k_all, const torch::Tensor& v_all,
-                         const c10::optional<torch::Tensor>& mask, int64_t keys, int64_t h, int64_t kvh,
-                         const std::vector<torch::Tensor>& enc_keys, const std::vector<torch::Tensor>& enc_values,
-                         const c10::optional<torch::Tensor>& cross_mask);
-void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_gemm", &small_gemm, "x @ W (+ bias) (+ residual), W packed in 16-column panels, x optionally row-normalised");
-  m.def("self_attention", &self_attention, "rotary + K/V cache write + attention for a few decoding queries");
-  m.def("cross_attention", &cross_attention, "attention of a few decoding queries over source K/V");
-  m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
-  m.def("run_layers", &run_layers, "decoder layers [first, last) on a few tokens: products and attention in one call");
-}
