@@ -65,6 +65,29 @@ def test_equals_torch(rows, shape, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_result_independent_of_batch(threads):
+    """A row's product is the same to the bit whatever rows share the call: 1-3 rows take several panels
+    at once and 4 rows one, in the same summation order (speculative == plain relies on it)."""
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(7)
+        for shape in [(37, 16), (128, 112), (300, 80), (64, 64)]:  # 1, 7, 5 and 4 panels
+            p = Packed(torch.randn(shape, generator=g))
+            x = torch.randn(9, shape[0], generator=g)
+            bias = torch.randn(shape[1], generator=g)
+            alone = torch.cat([p(x[i : i + 1], bias, normalize=True) for i in range(9)])
+            for rows in range(1, 10):
+                for first in (0, 9 - rows):
+                    got = p(x[first : first + rows], bias, normalize=True)
+                    assert torch.equal(got, alone[first : first + rows]), (shape, rows, first)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_rejects_partial_panel():
     with pytest.raises(ValueError, match="w_t"):
         Packed(torch.zeros(8, 20))
@@ -221,3 +244,41 @@ def test_geglu_elementwise_accuracy():
     tail = Packed(torch.eye(12, 16))(torch.cat((h[:, :12], gate[:, 30:42]), dim=1), geglu=True)[:, :12].double()
     ref = torch.nn.functional.gelu(gate[:, 30:42].double()) * h[:, :12].double()
     assert ((tail - ref).abs() <= 4e-7 * (gate[:, 30:42].double() * h[:, :12].double()).abs()).all()
+
+
+def test_stack_rejects_bad_arguments():
+    """The layer stack checks its weights once and every call's arguments before touching memory."""
+    _needs_kernel()
+    dim, h, d, inner = 32, 2, 16, 32
+    g = torch.Generator().manual_seed(0)
+    panels = lambda i, o: Packed(torch.randn(i, o, generator=g)).panels  # noqa: E731
+    layer = [panels(dim, 3 * h * d), panels(h * d, dim), panels(dim, h * d), panels(h * d, dim),
+             panels(dim, 2 * inner), torch.zeros(2 * inner), panels(inner, dim), torch.zeros(dim)]
+    with pytest.raises(RuntimeError, match="qkv"):
+        kernels.Stack([panels(dim, 2 * h * d)] + layer[1:], h, h, d)
+    with pytest.raises(RuntimeError, match="tensors per layer"):
+        kernels.Stack(layer[:7], h, h, d)
+    stack = kernels.Stack(layer * 2, h, h, d)
+    rows, n, cap, S = 1, 2, 8, 3
+    cos = sin = torch.randn(cap, d)
+    slots = torch.tensor([[0, 1]])
+    k_all, v_all = torch.zeros(2, rows, h, cap, d), torch.zeros(2, rows, h, cap, d)
+    enc = torch.randn(2, rows, h, S, d)
+    x = torch.randn(rows * n, dim)
+    args = lambda **kw: {**dict(x=x, layers=range(2), cos=cos, sin=sin, pos=slots, slots=slots, k_all=k_all,  # noqa: E731
+                                v_all=v_all, mask=None, keys=2, enc_keys=enc, enc_values=enc, cross_mask=None), **kw}
+    assert stack.run(**args()).shape == (rows * n, dim)
+    with pytest.raises(RuntimeError, match="outside"):
+        stack.run(**args(layers=range(1, 3)))
+    with pytest.raises(RuntimeError, match="x:"):
+        stack.run(**args(x=torch.randn(rows * n + 1, dim)))
+    with pytest.raises(RuntimeError, match="out of range"):
+        stack.run(**args(slots=slots + 1))
+    with pytest.raises(RuntimeError, match="capacity"):
+        stack.run(**args(keys=cap + 1))
+    with pytest.raises(RuntimeError, match="k_all"):
+        stack.run(**args(k_all=torch.zeros(1, rows, h, cap, d)))
+    with pytest.raises(RuntimeError, match="enc_keys"):
+        stack.run(**args(enc_keys=enc[:, :, :1]))
+    with pytest.raises(RuntimeError, match="mask"):
+        stack.run(**args(mask=torch.zeros(1, n, 3)))

@@ -66,7 +66,7 @@ class KVCache:
 
     def buffers(self, end: int) -> tuple[Tensor, Tensor]:
         """The whole K and V buffers (layers, rows, kv_heads, capacity, dim_head), for a kernel that
-        writes slots below `end` itself (`kernels.run_layers`)."""
+        writes slots below `end` itself (`kernels.Stack.run`)."""
         if end > self.capacity:
             raise ValueError(f"end {end} exceeds the cache capacity {self.capacity}")
         self.high = max(self.high, end)

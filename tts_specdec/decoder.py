@@ -28,19 +28,18 @@ from .kernels import PANEL, Packed
 class Encoded:
     """Source side of a decode: cross-attention K/V of every decoder layer, one entry per row."""
 
-    keys: list[Tensor]  # per layer: (rows, heads, 1 + source_len, dim_head), null key first
-    values: list[Tensor]
+    keys: Tensor  # (layers, rows, heads, 1 + source_len, dim_head), null key first
+    values: Tensor
     mask: Tensor | None  # (rows, 1, 1, 1 + source_len) additive (0 or -inf); None: nothing masked
     guided: bool  # rows come in (cond, null) pairs
 
     @property
     def rows(self) -> int:
-        return self.keys[0].shape[0]
+        return self.keys.shape[1]
 
     def select(self, rows: Tensor) -> "Encoded":
-        pick = lambda ts: [t.index_select(0, rows) for t in ts]  # noqa: E731
         mask = None if self.mask is None else self.mask.index_select(0, rows)
-        return Encoded(pick(self.keys), pick(self.values), mask, self.guided)
+        return Encoded(self.keys.index_select(1, rows), self.values.index_select(1, rows), mask, self.guided)
 
 
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -213,7 +212,7 @@ class Decoder:
         self._slot_table: Tensor | None = None
         self._prepared: list[_LayerWeights] | None = None
         self._fused_attention = False  # set with the prepared weights: `run` uses `_run_fused`
-        self._flat_weights: list[Tensor] = []  # their tensors in `kernels.run_layers`' order
+        self._stack: kernels.Stack | None = None  # the same weights for `kernels.Stack` (when fused)
         self._exit_head: _ExitHead | None = None
         self._target_head: Tensor | Packed | None = None  # (dim, vocab), final norm folded in
         self._state: tuple | None = None  # what the prepared weights were built from (`begin`)
@@ -251,7 +250,7 @@ class Decoder:
             mask = torch.stack((mask, null_mask), dim=1).flatten(0, 1)
             keys = [self.per_row(k, guided) for k in keys]
             values = [self.per_row(v, guided) for v in values]
-        return Encoded(keys, values, _additive(mask[:, None, None, :], states.dtype), guided)
+        return Encoded(torch.stack(keys), torch.stack(values), _additive(mask[:, None, None, :], states.dtype), guided)
 
     # ---- rows and cache ----------------------------------------------------------------------
 
@@ -316,11 +315,12 @@ class Decoder:
             self._fused_attention = self.dim_head % 8 == 0 and all(
                 isinstance(t, Packed) for w in self._prepared for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in)
             )
-            self._flat_weights = [
+            flat = [
                 t.panels if isinstance(t, Packed) else t
-                for w in (self._prepared if self._fused_attention else [])
+                for w in self._prepared
                 for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in, w.ff.b_in, w.ff.w_out, w.ff.b_out)
             ]
+            self._stack = kernels.Stack(flat, self.heads, self.kv_heads, self.dim_head) if self._fused_attention else None
         return self._prepared
 
     def _layer_elements(self) -> int:
@@ -480,7 +480,7 @@ class Decoder:
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
         attn_mask: Tensor | None, positions: Tensor | None, end: int,
     ) -> Tensor:
-        """`run` on the CPU kernels (float32, AVX2): the layers in one `kernels.run_layers` call, each
+        """`run` on the CPU kernels (float32, AVX2): the layers in one `kernels.Stack.run` call, each
         attention in one kernel (rotary, cache write, attention, layout). Same contract as `run`; padding
         positions are computed like real ones."""
         rows, n, dim = x.shape
@@ -497,8 +497,8 @@ class Decoder:
                     mask = mask.contiguous()
         cross_mask = None if enc.mask is None else enc.mask[:, 0, 0]
         k_all, v_all = cache.buffers(end)
-        x = kernels.run_layers(x.reshape(rows * n, dim), self._flat_weights, layers, *self._rope, pos, slots, k_all,
-                               v_all, mask, end, self.heads, self.kv_heads, enc.keys, enc.values, cross_mask)
+        x = self._stack.run(x.reshape(rows * n, dim), layers, *self._rope, pos, slots, k_all, v_all, mask, end,
+                            enc.keys, enc.values, cross_mask)
         for i in layers:
             self.layer_evals[i] += rows * n
         return x.view(rows, n, dim)

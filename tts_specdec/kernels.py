@@ -18,6 +18,7 @@ says which path runs.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -32,6 +33,7 @@ PANEL = 16
 # read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
 ENABLED = os.environ.get("TTS_SPECDEC_KERNELS", "1") != "0"
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "layers.cpp")]
+_HEADER = Path(__file__).with_name("csrc") / "kernels.h"
 _module = None
 _failed: str | None = None
 log = logging.getLogger(__name__)
@@ -56,9 +58,10 @@ def _load():
                 warnings.simplefilter("ignore")
                 from torch.utils.cpp_extension import load
 
-                _module = load(
-                    "tts_specdec_small_gemm", [str(p) for p in _SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False
-                )
+                # torch rebuilds when the sources or flags change, not the header: its digest is a flag
+                digest = hashlib.sha1(_HEADER.read_bytes()).hexdigest()[:12]
+                flags = ["-O3", "-mavx2", "-mfma", f"-DTTS_SPECDEC_HEADER={digest}"]
+                _module = load("tts_specdec_small_gemm", [str(p) for p in _SOURCES], extra_cflags=flags, verbose=False)
         finally:
             ext_log.setLevel(level)
     except Exception as e:  # no compiler, no headers: torch's products do the work
@@ -128,20 +131,27 @@ def self_attention(
     return _module.self_attention(heads, cos, sin, pos, slots, k_cache, v_cache, mask, keys, h, kvh)
 
 
-def run_layers(
-    x: Tensor, weights: list[Tensor], layers: range, cos: Tensor, sin: Tensor, pos: Tensor, slots: Tensor,
-    k_all: Tensor, v_all: Tensor, mask: Tensor | None, keys: int, h: int, kvh: int,
-    enc_keys: list[Tensor], enc_values: list[Tensor], cross_mask: Tensor | None,
-) -> Tensor:
-    """Decoder layers `layers` (a contiguous range) on x (tokens, dim), each: normalised q/k/v product,
-    `self_attention`, output product + residual, normalised cross q product, `cross_attention`,
-    output product + residual, feed-forward (normalised input product, GEGLU output product + residual).
+class Stack:
+    """Decoder layers packed for `csrc/layers.cpp`, checked once; `run` takes a range of them in one call.
 
     weights: 8 per model layer: qkv, attn_out, cross_q, cross_out, ff_in, ff_in_bias, ff_out,
-    ff_out_bias (`Packed.panels` for products); k_all/v_all: the whole cache (layers, rows, kvh,
-    capacity, d); enc_keys/enc_values: per layer (rows, h, S, d); cross_mask (rows, S) additive."""
-    return _module.run_layers(x, weights, layers.start, layers.stop, cos, sin, pos, slots, k_all, v_all, mask, keys,
-                              h, kvh, enc_keys, enc_values, cross_mask)
+    ff_out_bias (`Packed.panels` for products, norms folded in); h, kvh, d: heads, kv heads, dim_head."""
+
+    def __init__(self, weights: list[Tensor], h: int, kvh: int, d: int) -> None:
+        self._stack = _module.Stack(weights, h, kvh, d)
+
+    def run(
+        self, x: Tensor, layers: range, cos: Tensor, sin: Tensor, pos: Tensor, slots: Tensor, k_all: Tensor,
+        v_all: Tensor, mask: Tensor | None, keys: int, enc_keys: Tensor, enc_values: Tensor, cross_mask: Tensor | None,
+    ) -> Tensor:
+        """Layers `layers` (a contiguous range) on x (tokens, dim), each: normalised q/k/v product,
+        `self_attention`, output product + residual, normalised cross q product, `cross_attention`,
+        output product + residual, feed-forward (normalised input product, GEGLU output product + residual).
+
+        pos/slots (rows, n) as in `self_attention`; k_all/v_all: the whole cache (layers, rows, kvh,
+        capacity, d); enc_keys/enc_values (layers, rows, h, S, d); cross_mask (rows, S) additive."""
+        return self._stack.run(x, layers.start, layers.stop, cos, sin, pos, slots, k_all, v_all, mask, keys,
+                               enc_keys, enc_values, cross_mask)
 
 
 def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:

@@ -16,6 +16,9 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
+
+namespace tts {
 namespace {
 
 constexpr int64_t kMinTaskFlops = 1 << 16;  // below this a thread hand-off costs more than it saves
@@ -151,10 +154,59 @@ template <typename Fn>
 void for_each_row_head(int64_t rows, int64_t h, int64_t flops_per_head, int64_t keys, const Fn& fn) {
   const int64_t grain = std::max<int64_t>(1, kMinTaskFlops / std::max<int64_t>(1, flops_per_head));
   at::parallel_for(0, rows * h, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> buf((keys + 7) / 8 * 8);
+    thread_local std::vector<float> buf;  // kept between calls: no allocation per layer
+    if (buf.size() < size_t((keys + 7) / 8 * 8)) buf.resize((keys + 7) / 8 * 8);
     for (int64_t t = t0; t < t1; ++t) fn(t / h, t % h, buf.data());
   });
 }
+
+}  // namespace
+
+void self_attention(const float* heads, const float* cos, const float* sin, const int64_t* pos,
+                    const int64_t* slots, int64_t rows, int64_t n, int64_t h, int64_t kvh, int64_t d,
+                    const CacheView& cache, const MaskView& mask, int64_t keys, float* q_rot, float* out) {
+  const int64_t width = (h + 2 * kvh) * d;
+  // rotate q into q_rot, write rotated k and v into the cache (all before any query reads the cache)
+  for (int64_t tok = 0; tok < rows * n; ++tok) {
+    const int64_t r = tok / n, slot = slots[tok];
+    const float* c = cos + pos[tok] * d;
+    const float* s = sin + pos[tok] * d;
+    const float* src = heads + tok * width;
+    for (int64_t j = 0; j < h; ++j) rotate(src + j * d, c, s, d, q_rot + tok * h * d + j * d);
+    for (int64_t j = 0; j < kvh; ++j) {
+      rotate(src + (h + j) * d, c, s, d, cache.k + r * cache.k_row + j * cache.k_head + slot * d);
+      std::copy(src + (h + kvh + j) * d, src + (h + kvh + j + 1) * d, cache.v + r * cache.v_row + j * cache.v_head + slot * d);
+    }
+  }
+  const float scale = 1.0f / std::sqrt(float(d));
+  for_each_row_head(rows, h, n * keys * d * 4, keys, [&](int64_t r, int64_t j, float* buf) {
+    const float* K = cache.k + r * cache.k_row + (j % kvh) * cache.k_head;
+    const float* V = cache.v + r * cache.v_row + (j % kvh) * cache.v_head;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t tok = r * n + i;
+      const float* m = mask.p ? mask.p + (mask.rows == 1 ? 0 : r * mask.row_stride) + i * mask.query_stride : nullptr;
+      const int64_t seen = mask.p ? keys : slots[tok] + 1;
+      attend(q_rot + tok * h * d + j * d, K, V, d, seen, d, m, scale, out + tok * h * d + j * d, buf);
+    }
+  });
+}
+
+void cross_attention(const float* q, int64_t rows, int64_t n, int64_t h, int64_t d, const SourceView& src, float* out) {
+  const float scale = 1.0f / std::sqrt(float(d));
+  for_each_row_head(rows, h, n * src.len * d * 4, src.len, [&](int64_t r, int64_t j, float* buf) {
+    const float* K = src.k + r * src.k_row + j * src.k_head;
+    const float* V = src.v + r * src.v_row + j * src.v_head;
+    const float* m = src.mask ? src.mask + r * src.mask_row : nullptr;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t tok = r * n + i;
+      attend(q + tok * h * d + j * d, K, V, d, src.len, d, m, scale, out + tok * h * d + j * d, buf);
+    }
+  });
+}
+
+}  // namespace tts
+
+namespace {
 
 void check_float(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu() && t.stride(-1) == 1, name,
@@ -175,16 +227,18 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
   check_float(heads, "heads");
   check_float(k_cache, "k_cache");
   check_float(v_cache, "v_cache");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(), "cos, sin: contiguous (P, d)");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos, sin: contiguous float32 (P, d)");
   TORCH_CHECK(pos.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && pos.dim() == 2 &&
               pos.sizes() == slots.sizes(), "pos, slots: int64 (rows, n)");
   const int64_t rows = slots.size(0), n = slots.size(1), d = k_cache.size(3), cap = k_cache.size(2);
   TORCH_CHECK(heads.dim() == 2 && heads.is_contiguous() && heads.size(0) == rows * n && heads.size(1) == (h + 2 * kvh) * d,
               "heads: contiguous (rows * n, (h + 2 kvh) d)");
   TORCH_CHECK(d % 8 == 0 && cos.size(1) == d, "dim_head must be a multiple of 8 and match the rotary tables");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == rows && k_cache.size(1) == kvh && h % kvh == 0,
-              "k_cache, v_cache: (rows, kvh, capacity, d)");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == rows && k_cache.size(1) == kvh &&
+              h % kvh == 0, "k_cache, v_cache: (rows, kvh, capacity, d)");
   TORCH_CHECK(k_cache.stride(2) == d && v_cache.stride(2) == d, "cache slots must be contiguous rows of d");
+  TORCH_CHECK(keys <= cap, "keys exceed the cache capacity");
   // each token's slot and position, gathered from any strides (expanded rows are common)
   std::vector<int64_t> sp(rows * n), pp(rows * n);
   const int64_t* sd = slots.data_ptr<int64_t>();
@@ -196,54 +250,19 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
       TORCH_CHECK(sp[r * n + i] >= 0 && sp[r * n + i] < std::min(cap, keys) && pp[r * n + i] >= 0 &&
                   pp[r * n + i] < cos.size(0), "slot or position out of range");
     }
-  TORCH_CHECK(keys <= cap, "keys exceed the cache capacity");
-  int64_t m_rows = 0, m_rs = 0, m_qs = 0;
-  const float* mp = nullptr;
+  tts::MaskView mv;
   if (mask) {
     check_float(*mask, "mask");
     TORCH_CHECK(mask->dim() == 3 && (mask->size(0) == 1 || mask->size(0) == rows) && mask->size(1) == n &&
                 mask->size(2) == keys, "mask: (1 or rows, n, keys)");
-    m_rows = mask->size(0);
-    m_rs = m_rows == 1 ? 0 : mask->stride(0);
-    m_qs = mask->stride(1);
-    mp = mask->data_ptr<float>();
+    mv = {mask->data_ptr<float>(), mask->size(0), mask->size(0) == 1 ? 0 : mask->stride(0), mask->stride(1)};
   }
   auto out = torch::empty({rows * n, h * d}, heads.options());
   auto q_rot = torch::empty({rows * n, h * d}, heads.options());
-  const float* hp = heads.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* snp = sin.data_ptr<float>();
-  float* kp = k_cache.data_ptr<float>();
-  float* vp = v_cache.data_ptr<float>();
-  float* qp = q_rot.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t kr = k_cache.stride(0), kh = k_cache.stride(1), vr = v_cache.stride(0), vh = v_cache.stride(1);
-  const int64_t width = (h + 2 * kvh) * d;
-  // rotate q into q_rot, write rotated k and v into the cache (all before any query reads the cache)
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t tok = r * n + i, slot = sp[tok];
-      const float* c = cp + pp[tok] * d;
-      const float* s = snp + pp[tok] * d;
-      const float* src = hp + tok * width;
-      for (int64_t j = 0; j < h; ++j) rotate(src + j * d, c, s, d, qp + tok * h * d + j * d);
-      for (int64_t j = 0; j < kvh; ++j) {
-        rotate(src + (h + j) * d, c, s, d, kp + r * kr + j * kh + slot * d);
-        std::copy(src + (h + kvh + j) * d, src + (h + kvh + j + 1) * d, vp + r * vr + j * vh + slot * d);
-      }
-    }
-  }
-  const float scale = 1.0f / std::sqrt(float(d));
-  for_each_row_head(rows, h, n * keys * d * 4, keys, [&](int64_t r, int64_t j, float* buf) {
-    const float* K = kp + r * kr + (j % kvh) * kh;
-    const float* V = vp + r * vr + (j % kvh) * vh;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t tok = r * n + i;
-      const float* m = mp ? mp + (m_rows == 1 ? 0 : r * m_rs) + i * m_qs : nullptr;
-      const int64_t seen = mp ? keys : sp[tok] + 1;
-      attend(qp + tok * h * d + j * d, K, V, d, seen, d, m, scale, op + tok * h * d + j * d, buf);
-    }
-  });
+  const tts::CacheView cache{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1),
+                             v_cache.stride(0), v_cache.stride(1)};
+  tts::self_attention(heads.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), pp.data(), sp.data(), rows, n,
+                      h, kvh, d, cache, mv, keys, q_rot.data_ptr<float>(), out.data_ptr<float>());
   return out;
 }
 
@@ -258,28 +277,15 @@ torch::Tensor cross_attention(const torch::Tensor& q, const torch::Tensor& keys,
   TORCH_CHECK(d % 8 == 0, "dim_head must be a multiple of 8");
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.size(1) == h * d && q.size(0) % rows == 0, "q: contiguous (rows * n, h * d)");
   TORCH_CHECK(keys.stride(2) == d && values.stride(2) == d, "keys, values: contiguous (S, d) per head");
-  const int64_t n = q.size(0) / rows;
-  const float* mp = nullptr;
-  int64_t m_rs = 0;
+  tts::SourceView src{keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(0), keys.stride(1), values.stride(0),
+                      values.stride(1), S, nullptr, 0};
   if (mask) {
     check_float(*mask, "mask");
     TORCH_CHECK(mask->dim() == 2 && mask->size(0) == rows && mask->size(1) == S, "mask: (rows, S)");
-    mp = mask->data_ptr<float>();
-    m_rs = mask->stride(0);
+    src.mask = mask->data_ptr<float>();
+    src.mask_row = mask->stride(0);
   }
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = keys.data_ptr<float>();
-  const float* vp = values.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float scale = 1.0f / std::sqrt(float(d));
-  for_each_row_head(rows, h, n * S * d * 4, S, [&](int64_t r, int64_t j, float* buf) {
-    const float* K = kp + r * keys.stride(0) + j * keys.stride(1);
-    const float* V = vp + r * values.stride(0) + j * values.stride(1);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t tok = r * n + i;
-      attend(qp + tok * h * d + j * d, K, V, d, S, d, mp ? mp + r * m_rs : nullptr, scale, op + tok * h * d + j * d, buf);
-    }
-  });
+  tts::cross_attention(q.data_ptr<float>(), rows, q.size(0) / rows, h, d, src, out.data_ptr<float>());
   return out;
 }

@@ -1,7 +1,12 @@
-// A range of decoder layers in one call: the per-layer sequence of `Decoder._run_fused` without the
-// Python in between (at 1-7 rows a layer's kernels take ~40 us; Python dispatch around them took as long).
+// A range of decoder layers in one call (`Stack`): the per-layer sequence of `Decoder._run_fused`
+// without Python in between, on weights checked once when the stack is built; each call checks its
+// arguments once and runs every layer on raw pointers into one workspace (no tensor per product).
 // Also the cache's beam reordering, and the module's Python bindings for all three source files.
 #include <torch/extension.h>
+
+#include <vector>
+
+#include "kernels.h"
 
 torch::Tensor small_gemm(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                          const c10::optional<torch::Tensor>& residual, bool normalize, bool geglu);
@@ -12,33 +17,134 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
 torch::Tensor cross_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                               const c10::optional<torch::Tensor>& mask);
 
+namespace {
+
 constexpr int64_t kPerLayer = 8;
 
-// weights: kPerLayer tensors per model layer: qkv, attn_out, cross_q, cross_out, ff_in, ff_in_bias, ff_out,
-// ff_out_bias (products packed as small_gemm takes them; the norms folded in). k_all, v_all: the cache
-// (layers, rows, kvh, capacity, d); enc_keys, enc_values: per layer (rows, h, S, d).
-torch::Tensor run_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights, int64_t first, int64_t last,
-                         const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& pos,
-                         const torch::Tensor& slots, const torch::Tensor& k_all, const torch::Tensor& v_all,
-                         const c10::optional<torch::Tensor>& mask, int64_t keys, int64_t h, int64_t kvh,
-                         const std::vector<torch::Tensor>& enc_keys, const std::vector<torch::Tensor>& enc_values,
-                         const c10::optional<torch::Tensor>& cross_mask) {
-  const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer && 0 <= first && first <= last && last <= layers &&
-              k_all.size(0) == layers && v_all.size(0) == layers && static_cast<int64_t>(enc_keys.size()) == layers &&
-              static_cast<int64_t>(enc_values.size()) == layers, "run_layers: weights, cache and source K/V disagree on the layers");
-  const c10::optional<torch::Tensor> none;
-  for (int64_t i = first; i < last; ++i) {
-    const torch::Tensor* w = weights.data() + i * kPerLayer;
-    const auto heads = small_gemm(x, w[0], none, none, true, false);
-    const auto a = self_attention(heads, cos, sin, pos, slots, k_all.select(0, i), v_all.select(0, i), mask, keys, h, kvh);
-    x = small_gemm(a, w[1], none, x, false, false);
-    const auto q = small_gemm(x, w[2], none, none, true, false);
-    x = small_gemm(cross_attention(q, enc_keys[i], enc_values[i], cross_mask), w[3], none, x, false, false);
-    x = small_gemm(small_gemm(x, w[4], w[5], none, true, false), w[6], w[7], x, false, true);
-  }
-  return x;
+// The panels of a packed (out / 16, in, 16) weight: its input width must be `in`; returns out.
+int64_t packed_out(const torch::Tensor& w, int64_t in, const char* name) {
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == in && w.size(2) == tts::kPanel && w.is_contiguous() &&
+              w.scalar_type() == at::kFloat && w.device().is_cpu(), name, ": contiguous float32 CPU (out / 16, ", in, ", 16)");
+  return w.size(0) * tts::kPanel;
 }
+
+void check_cache(const torch::Tensor& t, int64_t layers, int64_t rows, int64_t kvh, int64_t d, const char* name) {
+  TORCH_CHECK(t.dim() == 5 && t.size(0) == layers && t.size(1) == rows && t.size(2) == kvh && t.size(4) == d &&
+              t.stride(4) == 1 && t.stride(3) == d && t.scalar_type() == at::kFloat && t.device().is_cpu(),
+              name, ": float32 CPU (layers, rows, kv heads, slots, d) with contiguous slots");
+}
+
+}  // namespace
+
+// Decoder layers packed for the kernels. weights: kPerLayer tensors per model layer: qkv, attn_out,
+// cross_q, cross_out, ff_in, ff_in_bias, ff_out, ff_out_bias (products packed as small_gemm takes them,
+// the norms folded in; ff_in's output is [value | gate], each half as wide as ff_out's input).
+class Stack {
+ public:
+  Stack(std::vector<torch::Tensor> weights, int64_t h, int64_t kvh, int64_t d)
+      : w_(std::move(weights)), h_(h), kvh_(kvh), d_(d) {
+    TORCH_CHECK(!w_.empty() && w_.size() % kPerLayer == 0, "weights: ", kPerLayer, " tensors per layer");
+    TORCH_CHECK(h > 0 && kvh > 0 && h % kvh == 0 && d > 0 && d % 8 == 0, "heads, kv heads, dim_head: h % kvh == 0, d % 8 == 0");
+    layers_ = static_cast<int64_t>(w_.size()) / kPerLayer;
+    dim_ = w_[0].dim() == 3 ? w_[0].size(1) : 0;
+    const int64_t hd = h * d;
+    for (int64_t i = 0; i < layers_; ++i) {
+      const torch::Tensor* w = w_.data() + i * kPerLayer;
+      TORCH_CHECK(packed_out(w[0], dim_, "qkv") == (h + 2 * kvh) * d, "qkv: (h + 2 kvh) d outputs");
+      TORCH_CHECK(packed_out(w[1], hd, "attn_out") == dim_ && packed_out(w[2], dim_, "cross_q") == hd &&
+                  packed_out(w[3], hd, "cross_out") == dim_, "attention products: dim -> h d -> dim");
+      const int64_t ff = packed_out(w[4], dim_, "ff_in");
+      if (i == 0) inner_ = ff / 2;
+      TORCH_CHECK(ff == 2 * inner_ && packed_out(w[6], inner_, "ff_out") == dim_, "feed-forward: dim -> 2 inner -> dim");
+      TORCH_CHECK(w[5].is_contiguous() && w[5].numel() == ff && w[5].scalar_type() == at::kFloat &&
+                  w[7].is_contiguous() && w[7].numel() == dim_ && w[7].scalar_type() == at::kFloat, "feed-forward biases");
+    }
+  }
+
+  // x (rows * n, dim) through layers [first, last). pos, slots (rows, n) int64; k_all, v_all the cache
+  // (layers, rows, kvh, capacity, d); mask (1 or rows, n, keys) additive or none (causal by slot);
+  // enc_keys, enc_values (layers, rows, h, S, d); cross_mask (rows, S) additive or none.
+  torch::Tensor run(const torch::Tensor& x, int64_t first, int64_t last, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const torch::Tensor& pos, const torch::Tensor& slots, const torch::Tensor& k_all,
+                    const torch::Tensor& v_all, const c10::optional<torch::Tensor>& mask, int64_t keys,
+                    const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
+                    const c10::optional<torch::Tensor>& cross_mask) const {
+    TORCH_CHECK(0 <= first && first <= last && last <= layers_, "layers [", first, ", ", last, ") outside 0..", layers_);
+    TORCH_CHECK(pos.dim() == 2 && pos.sizes() == slots.sizes() && pos.scalar_type() == at::kLong &&
+                slots.scalar_type() == at::kLong, "pos, slots: int64 (rows, n)");
+    const int64_t rows = slots.size(0), n = slots.size(1), tokens = rows * n;
+    TORCH_CHECK(x.dim() == 2 && x.size(0) == tokens && x.size(1) == dim_ && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+                "x: float32 CPU (rows * n, dim)");
+    TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == d_ && cos.is_contiguous() && sin.is_contiguous() &&
+                cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos, sin: contiguous float32 (P, d)");
+    check_cache(k_all, layers_, rows, kvh_, d_, "k_all");
+    check_cache(v_all, layers_, rows, kvh_, d_, "v_all");
+    const int64_t cap = k_all.size(3);
+    TORCH_CHECK(v_all.size(3) == cap && 0 <= keys && keys <= cap, "keys exceed the cache capacity");
+    std::vector<int64_t> sp(tokens), pp(tokens);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        sp[r * n + i] = slots.data_ptr<int64_t>()[r * slots.stride(0) + i * slots.stride(1)];
+        pp[r * n + i] = pos.data_ptr<int64_t>()[r * pos.stride(0) + i * pos.stride(1)];
+        TORCH_CHECK(0 <= sp[r * n + i] && sp[r * n + i] < keys && 0 <= pp[r * n + i] && pp[r * n + i] < cos.size(0),
+                    "slot or position out of range");
+      }
+    tts::MaskView mv;
+    if (mask) {
+      TORCH_CHECK(mask->dim() == 3 && (mask->size(0) == 1 || mask->size(0) == rows) && mask->size(1) == n &&
+                  mask->size(2) == keys && mask->stride(2) == 1 && mask->scalar_type() == at::kFloat,
+                  "mask: float32 (1 or rows, n, keys), unit last stride");
+      mv = {mask->data_ptr<float>(), mask->size(0), mask->size(0) == 1 ? 0 : mask->stride(0), mask->stride(1)};
+    }
+    TORCH_CHECK(enc_keys.dim() == 5 && enc_keys.sizes() == enc_values.sizes() && enc_keys.size(0) == layers_ &&
+                enc_keys.size(1) == rows && enc_keys.size(2) == h_ && enc_keys.size(4) == d_ && enc_keys.stride(4) == 1 &&
+                enc_keys.stride(3) == d_ && enc_values.stride(4) == 1 && enc_values.stride(3) == d_ &&
+                enc_keys.scalar_type() == at::kFloat && enc_values.scalar_type() == at::kFloat,
+                "enc_keys, enc_values: float32 (layers, rows, h, S, d) with contiguous (S, d)");
+    const int64_t S = enc_keys.size(3);
+    const float* cm = nullptr;
+    int64_t cm_row = 0;
+    if (cross_mask) {
+      TORCH_CHECK(cross_mask->dim() == 2 && cross_mask->size(0) == rows && cross_mask->size(1) == S &&
+                  cross_mask->stride(1) == 1 && cross_mask->scalar_type() == at::kFloat, "cross_mask: float32 (rows, S)");
+      cm = cross_mask->data_ptr<float>();
+      cm_row = cross_mask->stride(0);
+    }
+
+    const int64_t hd = h_ * d_, width = (h_ + 2 * kvh_) * d_;
+    auto out = torch::empty({tokens, dim_}, x.options());  // the residual stream, updated in place layer by layer
+    out.copy_(x);
+    std::vector<float> ws(tokens * (width + 2 * hd + 2 * inner_));
+    float* heads = ws.data();  // (tokens, width): q, k, v of every token
+    float* q = heads + tokens * width;  // (tokens, hd): rotated or cross-attention queries
+    float* a = q + tokens * hd;  // (tokens, hd): attention outputs
+    float* ff = a + tokens * hd;  // (tokens, 2 inner): [value | gate], then value * gelu(gate)
+    float* xp = out.data_ptr<float>();
+    for (int64_t i = first; i < last; ++i) {
+      const torch::Tensor* w = w_.data() + i * kPerLayer;
+      const float* none = nullptr;
+      tts::gemm(xp, dim_, tokens, dim_, w[0].data_ptr<float>(), w[0].size(0), none, none, 0, true, heads, width);
+      const tts::CacheView cache{k_all.data_ptr<float>() + i * k_all.stride(0), v_all.data_ptr<float>() + i * v_all.stride(0),
+                                 k_all.stride(1), k_all.stride(2), v_all.stride(1), v_all.stride(2)};
+      tts::self_attention(heads, cos.data_ptr<float>(), sin.data_ptr<float>(), pp.data(), sp.data(), rows, n, h_, kvh_, d_,
+                          cache, mv, keys, q, a);
+      tts::gemm(a, hd, tokens, hd, w[1].data_ptr<float>(), w[1].size(0), none, xp, dim_, false, xp, dim_);
+      tts::gemm(xp, dim_, tokens, dim_, w[2].data_ptr<float>(), w[2].size(0), none, none, 0, true, q, hd);
+      const tts::SourceView src{enc_keys.data_ptr<float>() + i * enc_keys.stride(0), enc_values.data_ptr<float>() + i * enc_values.stride(0),
+                                enc_keys.stride(1), enc_keys.stride(2), enc_values.stride(1), enc_values.stride(2), S, cm, cm_row};
+      tts::cross_attention(q, rows, n, h_, d_, src, a);
+      tts::gemm(a, hd, tokens, hd, w[3].data_ptr<float>(), w[3].size(0), none, xp, dim_, false, xp, dim_);
+      tts::gemm(xp, dim_, tokens, dim_, w[4].data_ptr<float>(), w[4].size(0), w[5].data_ptr<float>(), none, 0, true, ff, 2 * inner_);
+      for (int64_t t = 0; t < tokens; ++t) tts::geglu_row(ff + t * 2 * inner_, ff + t * 2 * inner_ + inner_, ff + t * 2 * inner_, inner_);
+      tts::gemm(ff, 2 * inner_, tokens, inner_, w[6].data_ptr<float>(), w[6].size(0), w[7].data_ptr<float>(), xp, dim_, false, xp, dim_);
+    }
+    return out;
+  }
+
+ private:
+  std::vector<torch::Tensor> w_;
+  int64_t h_, kvh_, d_, layers_ = 0, dim_ = 0, inner_ = 0;
+};
 
 // In place: rows r of t (layers, rows, heads, capacity, d) become rows index[r], slots below `high`
 // only. Rows that keep their place are not touched; sources are read before any row is written.
@@ -81,5 +187,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("self_attention", &self_attention, "rotary + K/V cache write + attention for a few decoding queries");
   m.def("cross_attention", &cross_attention, "attention of a few decoding queries over source K/V");
   m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
-  m.def("run_layers", &run_layers, "decoder layers [first, last) on a few tokens: products and attention in one call");
+  py::class_<Stack>(m, "Stack")
+      .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t>())
+      .def("run", &Stack::run, "decoder layers [first, last) on a few tokens: products and attention in one call");
 }

@@ -1,0 +1,47 @@
+// The raw-pointer cores of the decoding kernels, shared by the tensor entry points (each file's
+// bottom half, argument checks included) and by `Stack` (layers.cpp), which checks a whole range of
+// layers once per call and then runs them without building a tensor per product.
+#pragma once
+#include <cstdint>
+
+namespace tts {
+
+constexpr int64_t kPanel = 16;  // output columns per packed weight panel
+
+// y = (x / ||x|| per row if normalize) @ W + bias + res for x (rows, in) with row stride ldx, W packed
+// as (panels, in, 16). res may be y itself (an in-place residual add); x must not overlap y.
+void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels,
+          const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy);
+
+// out = h * gelu(gate) for n floats (exact GELU); out may be h itself.
+void geglu_row(const float* h, const float* gate, float* out, int64_t n);
+
+// One layer's K/V cache: slot s of kv head j of row r at k + r * k_row + j * k_head + s * d.
+struct CacheView {
+  float *k, *v;
+  int64_t k_row, k_head, v_row, v_head;
+};
+
+// An additive mask (R, n, keys), R 1 (shared by every row) or rows; p null: causal by slot.
+struct MaskView {
+  const float* p = nullptr;
+  int64_t rows = 0, row_stride = 0, query_stride = 0;
+};
+
+// heads (rows * n, (h + 2 kvh) d); pos, slots (rows * n) per token; q_rot, out (rows * n, h d).
+void self_attention(const float* heads, const float* cos, const float* sin, const int64_t* pos,
+                    const int64_t* slots, int64_t rows, int64_t n, int64_t h, int64_t kvh, int64_t d,
+                    const CacheView& cache, const MaskView& mask, int64_t keys, float* q_rot, float* out);
+
+// Precomputed source K/V of one layer, (rows, h, len, d) with these strides; mask (rows, len) or null.
+struct SourceView {
+  const float *k, *v;
+  int64_t k_row, k_head, v_row, v_head, len;
+  const float* mask;
+  int64_t mask_row;
+};
+
+// q, out (rows * n, h d)
+void cross_attention(const float* q, int64_t rows, int64_t n, int64_t h, int64_t d, const SourceView& src, float* out);
+
+}  // namespace tts
