@@ -131,3 +131,9 @@ def test_training_model_is_decoded_in_eval_mode_and_put_back():
     model.eval()
     SpeculativeDecoder(model).sample(src, max_length=2)
     assert not model.training
+    # mixed modes: only the source transformer trains; it decodes in eval mode and keeps its flags
+    model.source_transformer.train()
+    flags = [m.training for m in model.modules()]
+    assert any(flags) and not all(flags)
+    assert [t.tolist() for t in dec.sample(src, temperature=0.0, max_length=8).tokens] == [t.tolist() for t in ref_sample]
+    assert [m.training for m in model.modules()] == flags

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from tts_specdec import kernels
 from tts_specdec._upstream import _spear
 from tts_specdec.sampling import (
     SamplingConfig,
@@ -38,6 +39,18 @@ Q = torch.tensor(
 )
 V = P.shape[1]
 GAMMA = Q.shape[0]
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def dtype(request, monkeypatch):
+    """The accept rule's two paths: torch ops (float64 here), and the one-call kernel (float32 CPU)."""
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "ENABLED", False)
+        return torch.float64
+    monkeypatch.setattr(kernels, "ENABLED", True)
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    return torch.float32
 
 
 def test_cfg_mix_is_null_plus_scaled_difference():
@@ -124,16 +137,17 @@ def closed_form(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return law
 
 
-def run_accept(p, q, n, seed):
+def run_accept(p, q, n, seed, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
+    p, q = p.to(dtype), q.to(dtype)
     drafts = draw(q.expand(n, -1, -1), g)
     acc = speculative_accept(p.expand(n, -1, -1), q.expand(n, -1, -1), drafts, g)
     return drafts, acc
 
 
-def test_accept_rule_joint_law_of_count_and_next_token():
+def test_accept_rule_joint_law_of_count_and_next_token(dtype):
     n = 200_000
-    drafts, acc = run_accept(P, Q, n, seed=3)
+    drafts, acc = run_accept(P, Q, n, seed=3, dtype=dtype)
     counts = torch.zeros(GAMMA + 1, V, dtype=torch.long)
     counts.index_put_((acc.accepted, acc.next_token), torch.ones(n, dtype=torch.long), accumulate=True)
     law = closed_form(P, Q)
@@ -141,11 +155,11 @@ def test_accept_rule_joint_law_of_count_and_next_token():
     assert tv(counts, law) < tv_bound((GAMMA + 1) * V, n)
 
 
-def test_accept_rule_emits_tokens_distributed_as_p():
+def test_accept_rule_emits_tokens_distributed_as_p(dtype):
     """The emitted tokens (accepted drafts, then the correction/bonus) follow p position by position:
     the first token ~ p_1, and given that a second token exists (draft 1 accepted) it is ~ p_2."""
     n = 200_000
-    drafts, acc = run_accept(P, Q, n, seed=4)
+    drafts, acc = run_accept(P, Q, n, seed=4, dtype=dtype)
     emitted = torch.cat((drafts, acc.next_token[:, None]), dim=1)
     emitted.scatter_(1, acc.accepted[:, None], acc.next_token[:, None])
     first = emitted[:, 0]
@@ -159,25 +173,25 @@ def test_accept_rule_emits_tokens_distributed_as_p():
         assert torch.equal(emitted[kept, d], drafts[kept, d])
 
 
-def test_accept_rule_accepts_every_draft_when_q_equals_p():
+def test_accept_rule_accepts_every_draft_when_q_equals_p(dtype):
     n = 5_000
-    drafts, acc = run_accept(P, P[:GAMMA], n, seed=5)
+    drafts, acc = run_accept(P, P[:GAMMA], n, seed=5, dtype=dtype)
     assert (acc.accepted == GAMMA).all()
     assert tv(torch.bincount(acc.next_token, minlength=V), P[GAMMA]) < tv_bound(V, n)
 
 
-def test_accept_rule_accepts_nothing_with_disjoint_supports():
+def test_accept_rule_accepts_nothing_with_disjoint_supports(dtype):
     p = torch.tensor([[0.0, 0.0, 0.7, 0.3], [0.0, 0.0, 0.5, 0.5]], dtype=torch.float64)
     q = torch.tensor([[0.4, 0.6, 0.0, 0.0]], dtype=torch.float64)
     n = 50_000
-    drafts, acc = run_accept(p, q, n, seed=6)
+    drafts, acc = run_accept(p, q, n, seed=6, dtype=dtype)
     assert (acc.accepted == 0).all()
     assert tv(torch.bincount(acc.next_token, minlength=4), p[0]) < tv_bound(4, n)
 
 
-def test_accept_rule_checks_shapes():
+def test_accept_rule_checks_shapes(dtype):
     with pytest.raises(ValueError, match="shapes"):
-        speculative_accept(P.expand(2, -1, -1), Q.expand(2, -1, -1), torch.zeros(2, 3, dtype=torch.long))
+        speculative_accept(P.to(dtype).expand(2, -1, -1), Q.to(dtype).expand(2, -1, -1), torch.zeros(2, 3, dtype=torch.long))
 
 
 def test_greedy_accept_keeps_matching_prefix_then_target_token():
@@ -190,24 +204,24 @@ def test_greedy_accept_keeps_matching_prefix_then_target_token():
     assert empty.accepted.tolist() == [0] * 4 and empty.next_token.tolist() == [1, 1, 1, 5]
 
 
-def test_greedy_accept_agrees_with_accept_rule_on_one_hot_distributions():
+def test_greedy_accept_agrees_with_accept_rule_on_one_hot_distributions(dtype):
     g = torch.Generator().manual_seed(7)
     target = torch.randint(0, 3, (500, 4), generator=g)
     drafts = torch.randint(0, 3, (500, 3), generator=g)
-    p = torch.nn.functional.one_hot(target, 3).double()
-    q = torch.nn.functional.one_hot(drafts, 3).double()
+    p = torch.nn.functional.one_hot(target, 3).to(dtype)
+    q = torch.nn.functional.one_hot(drafts, 3).to(dtype)
     rule, greedy = speculative_accept(p, q, drafts, g), greedy_accept(target, drafts)
     assert torch.equal(rule.accepted, greedy.accepted) and torch.equal(rule.next_token, greedy.next_token)
 
 
-def test_accept_rule_with_per_row_limits_is_the_rule_with_each_rows_gamma():
+def test_accept_rule_with_per_row_limits_is_the_rule_with_each_rows_gamma(dtype):
     """Rows proposing only their first L drafts follow the joint law of Algorithm 1 with gamma = L:
     drafts past the limit are never kept and the bonus token comes from p at the limit."""
     n = 120_000
     g = torch.Generator().manual_seed(7)
-    drafts = draw(Q.expand(n, -1, -1), g)
+    drafts = draw(Q.to(dtype).expand(n, -1, -1), g)
     limit = torch.arange(n) % (GAMMA + 1)  # each limit 0..GAMMA on an equal share of the rows
-    acc = speculative_accept(P.expand(n, -1, -1), Q.expand(n, -1, -1), drafts, g, limit=limit)
+    acc = speculative_accept(P.to(dtype).expand(n, -1, -1), Q.to(dtype).expand(n, -1, -1), drafts, g, limit=limit)
     assert (acc.accepted <= limit).all()
     for lim in range(GAMMA + 1):
         rows = limit == lim
@@ -223,3 +237,31 @@ def test_greedy_accept_stops_at_the_limit():
     acc = greedy_accept(target, drafts, limit=torch.tensor([1, 3, 3]))
     assert acc.accepted.tolist() == [1, 3, 1]
     assert acc.next_token.tolist() == [2, 4, 2]
+
+
+def test_accept_kernel_equals_torch_rule_on_the_same_random_numbers(monkeypatch):
+    """The one-call kernel and the torch ops take the same uniforms and race from the generator and
+    decide the same: counts always, next tokens too (random p, q; per-row limits; rows where p <= q)."""
+    monkeypatch.setattr(kernels, "ENABLED", True)
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    rows, gamma, vocab = 4000, 4, 37
+    g = torch.Generator().manual_seed(11)
+    p = torch.randn(rows, gamma + 1, vocab, generator=g).mul(2).softmax(-1)
+    q = (p[:, :gamma] + 0.3 * torch.randn(rows, gamma, vocab, generator=g)).mul(3).softmax(-1)
+    q[:500] = p[:500, :gamma]  # drafts from p itself: accepted, or p <= q at the rejection (fall back to p)
+    p[500:1000, :, 5:] = 0  # targets on few tokens: many rejections
+    p[500:1000] /= p[500:1000].sum(-1, keepdim=True)
+    drafts = draw(q, g)
+    limit = torch.arange(rows) % (gamma + 1)
+    results = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(kernels, "ENABLED", enabled)
+        for lim in (None, limit):
+            acc = speculative_accept(p, q, drafts, torch.Generator().manual_seed(12), limit=lim)
+            results[enabled, lim is None] = acc
+    for full in (True, False):
+        kern, ref = results[True, full], results[False, full]
+        assert torch.equal(kern.accepted, ref.accepted)
+        assert torch.equal(kern.next_token, ref.next_token)
+    assert 0 < float(results[True, True].accepted.float().mean()) < gamma  # both extremes are exercised

@@ -180,10 +180,21 @@ class _ExitHead:
 
     ff: _FeedForward
     w_out_t: Tensor | Packed  # the RMSNorm folded in
+    kernel: kernels.Head | None = None  # the whole head in one call, where its products are on the kernel
+
+    @classmethod
+    def of(cls, head: torch.nn.Sequential) -> "_ExitHead":
+        ff, w_out_t = _FeedForward.of(head[0].fn), _packed_or(_t(head[2].weight, head[1]))
+        kernel = None
+        if ff.blocks == 0 and isinstance(w_out_t, Packed):
+            kernel = kernels.Head([ff.w_in.panels, ff.b_in, ff.w_out.panels, ff.b_out], w_out_t)
+        return cls(ff, w_out_t, kernel)
 
     def __call__(self, h: Tensor) -> Tensor:
-        x = self.ff.residual(h.reshape(-1, h.shape[-1]))
-        return _normed_mm(x, self.w_out_t).view(*h.shape[:-1], -1)
+        h2 = h.reshape(-1, h.shape[-1])
+        if self.kernel is not None:
+            return self.kernel(h2).view(*h.shape[:-1], -1)
+        return _normed_mm(self.ff.residual(h2), self.w_out_t).view(*h.shape[:-1], -1)
 
 
 class Decoder:
@@ -214,6 +225,7 @@ class Decoder:
         self._fused_attention = False  # set with the prepared weights: `run` uses `_run_fused`
         self._stack: kernels.Stack | None = None  # the same weights for `kernels.Stack` (when fused)
         self._exit_head: _ExitHead | None = None
+        self._cross_kv: tuple[Tensor, Tensor] | None = None  # stacked to_kv weights, null K/V (`encode`)
         self._target_head: Tensor | Packed | None = None  # (dim, vocab), final norm folded in
         self._state: tuple | None = None  # what the prepared weights were built from (`begin`)
 
@@ -238,19 +250,22 @@ class Decoder:
         mask = source != pad
         states = m.source_transformer(m.token_emb[self.source_type](source), mask=mask)
         b, s = source.shape
-        keys, values = [], []
-        for _, cross, _ in self.layers:
-            kv = F.linear(states, cross.to_kv[0].weight).view(b, s, 2, cross.heads, -1).permute(2, 0, 3, 1, 4)
-            null_k, null_v = (t.expand(b, -1, -1, -1) for t in cross.null_kv)
-            keys.append(torch.cat((null_k, kv[0]), dim=2))
-            values.append(torch.cat((null_v, kv[1]), dim=2))
+        if self._cross_kv is None:  # every layer's to_kv in one product; null K/V (layers, 2, heads, 1, d)
+            crosses = [cross for _, cross, _ in self.layers]
+            self._cross_kv = (torch.cat([c.to_kv[0].weight for c in crosses]).detach(),
+                              torch.stack([torch.stack(tuple(c.null_kv)) for c in crosses]).detach())
+        w_kv, null_kv = self._cross_kv
+        kv = F.linear(states, w_kv).view(b, s, self.depth, 2, null_kv.shape[2], -1)
+        kv_all = states.new_empty(self.depth, 2, b, null_kv.shape[2], 1 + s, kv.shape[-1])  # null key first
+        kv_all[..., :1, :] = null_kv[:, :, None]
+        kv_all[..., 1:, :] = kv.permute(2, 3, 0, 4, 1, 5)
+        keys, values = kv_all[:, 0], kv_all[:, 1]
         mask = F.pad(mask, (1, 0), value=True)
         if guided:
             null_mask = F.pad(torch.zeros_like(mask[:, 1:]), (1, 0), value=True)
             mask = torch.stack((mask, null_mask), dim=1).flatten(0, 1)
-            keys = [self.per_row(k, guided) for k in keys]
-            values = [self.per_row(v, guided) for v in values]
-        return Encoded(torch.stack(keys), torch.stack(values), _additive(mask[:, None, None, :], states.dtype), guided)
+            keys, values = keys.repeat_interleave(2, dim=1), values.repeat_interleave(2, dim=1)
+        return Encoded(keys, values, _additive(mask[:, None, None, :], states.dtype), guided)
 
     # ---- rows and cache ----------------------------------------------------------------------
 
@@ -345,6 +360,7 @@ class Decoder:
         state = self._parameter_state()
         if state != self._state:
             self._prepared = None
+            self._cross_kv = None
             self._exit_head = None
             self._target_head = None
             self._state = state
@@ -542,6 +558,5 @@ class Decoder:
         if self.exit_layer is None:
             raise ValueError("this model has no early-exit head (target_early_exit_layer is None)")
         if self._exit_head is None:
-            head = self.model.to_early_exit_semantic_logits
-            self._exit_head = _ExitHead(_FeedForward.of(head[0].fn), _packed_or(_t(head[2].weight, head[1])))
+            self._exit_head = _ExitHead.of(self.model.to_early_exit_semantic_logits)
         return self._exit_head(h)

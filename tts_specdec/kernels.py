@@ -32,7 +32,7 @@ from torch import Tensor
 PANEL = 16
 # read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
 ENABLED = os.environ.get("TTS_SPECDEC_KERNELS", "1") != "0"
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "layers.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "accept.cpp", "layers.cpp")]
 _HEADER = Path(__file__).with_name("csrc") / "kernels.h"
 _module = None
 _failed: str | None = None
@@ -154,6 +154,18 @@ class Stack:
                                enc_keys, enc_values, cross_mask)
 
 
+class Head:
+    """An output head in one call (csrc/layers.cpp): optionally x + ff(x) first (ff: w_in, b_in, w_out,
+    b_out as `Stack` takes a layer's feed-forward), then the normalised product with w_out (`Packed`)."""
+
+    def __init__(self, ff: list[Tensor], w_out: "Packed") -> None:
+        self._head = _module.Head(ff, w_out.panels, w_out.width)
+
+    def __call__(self, h: Tensor) -> Tensor:
+        """h (tokens, dim) -> logits (tokens, width)."""
+        return self._head(h if h.stride(-1) == 1 else h.contiguous())
+
+
 def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:
     """In place: rows r of a cache buffer t (layers, rows, heads, capacity, d), float32 CPU contiguous,
     become rows index[r] (index (rows,)), slots below `high`; unmoved rows are not touched."""
@@ -163,3 +175,12 @@ def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:
 def cross_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """q (rows * n, h d) over keys/values (rows, h, S, d) with an additive mask (rows, S) -> (rows * n, h d)."""
     return _module.cross_attention(q, keys, values, mask)
+
+
+def speculative_accept(
+    p: Tensor, q: Tensor, drafts: Tensor, u: Tensor, race: Tensor, limit: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """`sampling.speculative_accept`'s rule in one call (csrc/accept.cpp) on the same random numbers:
+    u (rows, gamma) uniforms and race (rows, V) Exp(1) draws. Returns (accepted, next_token)."""
+    c = lambda t: t if t.is_contiguous() else t.contiguous()  # noqa: E731
+    return tuple(_module.speculative_accept(c(p), c(q), c(drafts), c(u), c(race), None if limit is None else c(limit)))

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import kernels
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -95,13 +97,19 @@ def speculative_accept(
     limit: (rows,) drafts each row actually proposes (<= gamma; default all). A row's drafts past
     its limit are ignored and its bonus token is drawn from p at its limit, so every row is
     Algorithm 1 with its own gamma.
+    On float32 CPU tensors with the kernels the rule runs in one call (`kernels.speculative_accept`)
+    on the same random numbers; these torch ops are its reference (and the path everywhere else).
     """
     rows, gamma = drafts.shape
     if p.shape[:2] != (rows, gamma + 1) or q.shape[:2] != (rows, gamma):
         raise ValueError(f"shapes disagree: p {tuple(p.shape)}, q {tuple(q.shape)}, drafts {tuple(drafts.shape)}")
+    u = torch.rand(rows, gamma, generator=generator, device=p.device, dtype=p.dtype)
+    if kernels.available(p.device, p.dtype) and q.dtype == p.dtype:
+        # the same rule in one call on the same random numbers (u, then the race of `draw`)
+        race = torch.empty(rows, p.shape[-1], device=p.device, dtype=p.dtype).exponential_(generator=generator)
+        return Acceptance(*kernels.speculative_accept(p, q, drafts, u, race, limit))
     px = p[:, :gamma].gather(-1, drafts[..., None])[..., 0]
     qx = q.gather(-1, drafts[..., None])[..., 0]
-    u = torch.rand(rows, gamma, generator=generator, device=p.device, dtype=p.dtype)
     # u < p/q written without division; q(x) > 0 because x was drawn from q
     keep = u * qx < px
     if limit is not None:

@@ -1,7 +1,7 @@
 // A range of decoder layers in one call (`Stack`): the per-layer sequence of `Decoder._run_fused`
 // without Python in between, on weights checked once when the stack is built; each call checks its
 // arguments once and runs every layer on raw pointers into one workspace (no tensor per product).
-// Also the cache's beam reordering, and the module's Python bindings for all three source files.
+// Also the cache's beam reordering, and the module's Python bindings for every source file.
 #include <torch/extension.h>
 
 #include <vector>
@@ -16,6 +16,9 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
                              int64_t h, int64_t kvh);
 torch::Tensor cross_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                               const c10::optional<torch::Tensor>& mask);
+std::vector<torch::Tensor> speculative_accept(const torch::Tensor& p, const torch::Tensor& q, const torch::Tensor& drafts,
+                                              const torch::Tensor& u, const torch::Tensor& race,
+                                              const c10::optional<torch::Tensor>& limit);
 
 namespace {
 
@@ -32,6 +35,22 @@ void check_cache(const torch::Tensor& t, int64_t layers, int64_t rows, int64_t k
   TORCH_CHECK(t.dim() == 5 && t.size(0) == layers && t.size(1) == rows && t.size(2) == kvh && t.size(4) == d &&
               t.stride(4) == 1 && t.stride(3) == d && t.scalar_type() == at::kFloat && t.device().is_cpu(),
               name, ": float32 CPU (layers, rows, kv heads, slots, d) with contiguous slots");
+}
+
+// x (tokens, dim) += W_out(GEGLU(normalize(x) @ W_in + b_in)) + b_out, in place; ff (tokens, 2 inner) scratch.
+void feed_forward(float* x, int64_t tokens, int64_t dim, const torch::Tensor* w, int64_t inner, float* ff) {
+  tts::gemm(x, dim, tokens, dim, w[0].data_ptr<float>(), w[0].size(0), w[1].data_ptr<float>(), nullptr, 0, true, ff, 2 * inner);
+  for (int64_t t = 0; t < tokens; ++t) tts::geglu_row(ff + t * 2 * inner, ff + t * 2 * inner + inner, ff + t * 2 * inner, inner);
+  tts::gemm(ff, 2 * inner, tokens, inner, w[2].data_ptr<float>(), w[2].size(0), w[3].data_ptr<float>(), x, dim, false, x, dim);
+}
+
+// Checks a feed-forward's 4 tensors (w_in, b_in, w_out, b_out) for model width dim; returns inner.
+int64_t check_feed_forward(const torch::Tensor* w, int64_t dim) {
+  const int64_t ff = packed_out(w[0], dim, "ff_in");
+  TORCH_CHECK(ff % 2 == 0 && packed_out(w[2], ff / 2, "ff_out") == dim, "feed-forward: dim -> 2 inner -> dim");
+  TORCH_CHECK(w[1].is_contiguous() && w[1].numel() == ff && w[1].scalar_type() == at::kFloat &&
+              w[3].is_contiguous() && w[3].numel() == dim && w[3].scalar_type() == at::kFloat, "feed-forward biases");
+  return ff / 2;
 }
 
 }  // namespace
@@ -53,11 +72,9 @@ class Stack {
       TORCH_CHECK(packed_out(w[0], dim_, "qkv") == (h + 2 * kvh) * d, "qkv: (h + 2 kvh) d outputs");
       TORCH_CHECK(packed_out(w[1], hd, "attn_out") == dim_ && packed_out(w[2], dim_, "cross_q") == hd &&
                   packed_out(w[3], hd, "cross_out") == dim_, "attention products: dim -> h d -> dim");
-      const int64_t ff = packed_out(w[4], dim_, "ff_in");
-      if (i == 0) inner_ = ff / 2;
-      TORCH_CHECK(ff == 2 * inner_ && packed_out(w[6], inner_, "ff_out") == dim_, "feed-forward: dim -> 2 inner -> dim");
-      TORCH_CHECK(w[5].is_contiguous() && w[5].numel() == ff && w[5].scalar_type() == at::kFloat &&
-                  w[7].is_contiguous() && w[7].numel() == dim_ && w[7].scalar_type() == at::kFloat, "feed-forward biases");
+      const int64_t inner = check_feed_forward(w + 4, dim_);
+      if (i == 0) inner_ = inner;
+      TORCH_CHECK(inner == inner_, "feed-forward: every layer as wide");
     }
   }
 
@@ -134,9 +151,7 @@ class Stack {
                                 enc_keys.stride(1), enc_keys.stride(2), enc_values.stride(1), enc_values.stride(2), S, cm, cm_row};
       tts::cross_attention(q, rows, n, h_, d_, src, a);
       tts::gemm(a, hd, tokens, hd, w[3].data_ptr<float>(), w[3].size(0), none, xp, dim_, false, xp, dim_);
-      tts::gemm(xp, dim_, tokens, dim_, w[4].data_ptr<float>(), w[4].size(0), w[5].data_ptr<float>(), none, 0, true, ff, 2 * inner_);
-      for (int64_t t = 0; t < tokens; ++t) tts::geglu_row(ff + t * 2 * inner_, ff + t * 2 * inner_ + inner_, ff + t * 2 * inner_, inner_);
-      tts::gemm(ff, 2 * inner_, tokens, inner_, w[6].data_ptr<float>(), w[6].size(0), w[7].data_ptr<float>(), xp, dim_, false, xp, dim_);
+      feed_forward(xp, tokens, dim_, w + 4, inner_, ff);
     }
     return out;
   }
@@ -144,6 +159,44 @@ class Stack {
  private:
   std::vector<torch::Tensor> w_;
   int64_t h_, kvh_, d_, layers_ = 0, dim_ = 0, inner_ = 0;
+};
+
+// An output head: optionally x + FF(x) first (the early-exit head's Residual(FeedForward)), then
+// normalize(x) @ W with the head's RMSNorm folded into W, padded to whole panels; `width` columns matter.
+class Head {
+ public:
+  Head(std::vector<torch::Tensor> ff, torch::Tensor w_out, int64_t width) : ff_(std::move(ff)), w_(std::move(w_out)), width_(width) {
+    TORCH_CHECK(ff_.empty() || ff_.size() == 4, "ff: none or w_in, b_in, w_out, b_out");
+    TORCH_CHECK(w_.dim() == 3, "w_out: packed (out / 16, dim, 16)");
+    dim_ = w_.size(1);
+    TORCH_CHECK(0 < width && width <= packed_out(w_, dim_, "w_out"), "width: 1 .. the padded output width");
+    if (!ff_.empty()) inner_ = check_feed_forward(ff_.data(), dim_);
+  }
+
+  // h (tokens, dim), unit column stride -> logits (tokens, width), a view of whole-panel rows
+  torch::Tensor operator()(const torch::Tensor& h) const {
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == dim_ && h.stride(1) == 1 && h.scalar_type() == at::kFloat && h.device().is_cpu(),
+                "h: float32 CPU (tokens, dim), unit column stride");
+    const int64_t tokens = h.size(0), out = w_.size(0) * tts::kPanel;
+    auto logits = torch::empty({tokens, out}, h.options());
+    const float* x = h.data_ptr<float>();
+    int64_t ldx = h.stride(0);
+    std::vector<float> ws;
+    if (!ff_.empty()) {
+      ws.resize(tokens * (dim_ + 2 * inner_));
+      for (int64_t t = 0; t < tokens; ++t) std::copy(x + t * ldx, x + t * ldx + dim_, ws.data() + t * dim_);
+      feed_forward(ws.data(), tokens, dim_, ff_.data(), inner_, ws.data() + tokens * dim_);
+      x = ws.data();
+      ldx = dim_;
+    }
+    tts::gemm(x, ldx, tokens, dim_, w_.data_ptr<float>(), w_.size(0), nullptr, nullptr, 0, true, logits.data_ptr<float>(), out);
+    return width_ == out ? logits : logits.narrow(1, 0, width_);
+  }
+
+ private:
+  std::vector<torch::Tensor> ff_;
+  torch::Tensor w_;
+  int64_t width_, dim_ = 0, inner_ = 0;
 };
 
 // In place: rows r of t (layers, rows, heads, capacity, d) become rows index[r], slots below `high`
@@ -186,6 +239,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "x @ W (+ bias) (+ residual), W packed in 16-column panels, x optionally row-normalised");
   m.def("self_attention", &self_attention, "rotary + K/V cache write + attention for a few decoding queries");
   m.def("cross_attention", &cross_attention, "attention of a few decoding queries over source K/V");
+  py::class_<Head>(m, "Head")
+      .def(py::init<std::vector<torch::Tensor>, torch::Tensor, int64_t>())
+      .def("__call__", &Head::operator(), "logits of hidden states (tokens, dim)");
+  m.def("speculative_accept", &speculative_accept, "Leviathan et al.'s accept rule for one cycle of every row");
   m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
   py::class_<Stack>(m, "Stack")
       .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t>())
