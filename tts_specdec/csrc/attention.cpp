@@ -80,6 +80,21 @@ void geglu_row(const float* h, const float* gate, float* out, int64_t n) {
 
 namespace {
 
+// out[0 : 8W] = inv * sum_j w[j] V[j][0 : 8W], W vectors of accumulators (a compile-time count keeps them
+// in registers; a runtime one spilled them to the stack on every key).
+template <int W>
+inline void weighted_sum(const float* w, const float* V, int64_t ld, int64_t keys, float inv, float* out) {
+  __m256 a[W];
+  for (int u = 0; u < W; ++u) a[u] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < keys; ++j) {
+    const __m256 p = _mm256_set1_ps(w[j]);
+    const float* v = V + j * ld;
+    for (int u = 0; u < W; ++u) a[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * u), a[u]);
+  }
+  const __m256 s = _mm256_set1_ps(inv);
+  for (int u = 0; u < W; ++u) _mm256_storeu_ps(out + 8 * u, _mm256_mul_ps(a[u], s));
+}
+
 // out[0:d] = softmax(q . K[j] * scale + mask[j], j < keys) @ V. K, V rows `ld` floats apart.
 // `buf` holds at least keys rounded up to 8 floats.
 void attend(const float* q, const float* K, const float* V, int64_t ld, int64_t keys, int64_t d,
@@ -124,18 +139,19 @@ void attend(const float* q, const float* K, const float* V, int64_t ld, int64_t 
     total = _mm256_add_ps(total, p);
   }
   const float inv = 1.0f / hsum(total);
-  float* acc = out;  // accumulate in place: d floats, d / 8 vectors at a time in registers
-  for (int64_t t0 = 0; t0 < d; t0 += 64) {
-    const int64_t w = std::min<int64_t>(64, d - t0) / 8;
-    __m256 a[8];
-    for (int64_t u = 0; u < w; ++u) a[u] = _mm256_setzero_ps();
-    for (j = 0; j < keys; ++j) {
-      const __m256 p = _mm256_set1_ps(buf[j]);
-      const float* v = V + j * ld + t0;
-      for (int64_t u = 0; u < w; ++u) a[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * u), a[u]);
+  for (int64_t t0 = 0; t0 < d; t0 += 64) {  // up to 64 output floats at a time, in registers
+    const float* v = V + t0;
+    float* o = out + t0;
+    switch (std::min<int64_t>(64, d - t0) / 8) {
+      case 8: weighted_sum<8>(buf, v, ld, keys, inv, o); break;
+      case 7: weighted_sum<7>(buf, v, ld, keys, inv, o); break;
+      case 6: weighted_sum<6>(buf, v, ld, keys, inv, o); break;
+      case 5: weighted_sum<5>(buf, v, ld, keys, inv, o); break;
+      case 4: weighted_sum<4>(buf, v, ld, keys, inv, o); break;
+      case 3: weighted_sum<3>(buf, v, ld, keys, inv, o); break;
+      case 2: weighted_sum<2>(buf, v, ld, keys, inv, o); break;
+      default: weighted_sum<1>(buf, v, ld, keys, inv, o); break;
     }
-    const __m256 s = _mm256_set1_ps(inv);
-    for (int64_t u = 0; u < w; ++u) _mm256_storeu_ps(acc + t0 + 8 * u, _mm256_mul_ps(a[u], s));
   }
 }
 
