@@ -8,7 +8,7 @@ dispatch: torch's attention costs ~20 us per call at 1 query, and rotary, cache 
 copies add ~10 small kernels; `csrc/attention.cpp` does each attention in one call, and
 `csrc/layers.cpp` (`Stack`) runs a range of layers without returning to Python, on weights checked once
 and one workspace per call (shipped model, 1 thread: a decoder layer for one token went from ~245 us to
-~25 us). `Head` is an output head in one call; `csrc/accept.cpp` is the speculative accept rule for
+~21 us). `Head` is an output head in one call; `csrc/accept.cpp` is the speculative accept rule for
 all rows of a cycle (~20 small torch ops, ~150 us, in one ~15 us call). The raw-pointer cores are
 declared in `csrc/kernels.h`.
 
