@@ -287,3 +287,52 @@ def test_trunk_runs_once_per_token_beyond_rejected_drafts(sources):
     assert s.steps == s.target_passes and row_cycles >= s.steps
     # plain decoding pushes each of its positions through every layer exactly once
     assert plain.stats.layer_evals == [4 * MAX_LEN] * 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_fused_draft_phase_equals_step_by_step(sources, temperature):
+    """The draft phase in one kernel call (Decoder.draft) drafts what the step-by-step loop drafts from
+    the same generator: the same tokens, the same exit states, q equal up to float rounding, rows at
+    different positions included; and it writes the same trunk K/V into the cache."""
+    from tts_specdec import kernels
+    from tts_specdec.decoder import Decoder
+    from tts_specdec.sampling import SamplingConfig
+    from tts_specdec.speculative import _draft_steps
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    model = make_model(3, std=0.3)
+    dec = Decoder(model)
+    dec.begin()
+    src, gamma = sources[4], 4
+    pos = torch.tensor([3, 0, 5, 2])
+    results = []
+    with torch.inference_mode():
+        for fused in (True, False):
+            enc = dec.encode(src)
+            cache = dec.new_cache(enc.rows, 16)
+            g = torch.Generator().manual_seed(0)
+            prefix = dec.embed(torch.randint(0, 12, (4, 5), generator=g))
+            dec.run(prefix, 0, range(dec.depth), enc, cache)  # every row's first slots filled
+            x = dec.embed(torch.tensor([[1], [2], [3], [4]]))
+            gen = torch.Generator().manual_seed(7)
+            if fused:
+                out = dec.draft(x, pos, gamma, temperature, gen, enc, cache)
+                assert out is not None
+            else:
+                cfg = SamplingConfig(temperature)
+                start = dec.start_of(pos, False)
+                out = _draft_steps(dec, x, start, pos, gamma, range(dec.exit_layer), enc, cache, cfg, gen,
+                                   lambda h, head: head(h), False, None)[:3]
+            trunk_k = cache.k[: dec.exit_layer, :, :, : 5 + 5 + gamma + 1].clone()
+            results.append((out, trunk_k))
+    (exits_f, q_f, drafts_f), k_f = results[0]
+    (exits_s, q_s, drafts_s), k_s = results[1]
+    assert torch.equal(drafts_f, drafts_s)
+    assert torch.equal(exits_f, exits_s)
+    assert torch.equal(k_f, k_s)
+    if temperature == 0:
+        assert q_f is None and q_s is None
+    else:
+        torch.testing.assert_close(q_f, q_s, rtol=1e-5, atol=1e-7)
+        assert len(set(drafts_f.flatten().tolist())) > 2  # the drafts vary: the test sees the draws

@@ -180,6 +180,7 @@ class _ExitHead:
 
     ff: _FeedForward
     w_out_t: Tensor | Packed  # the RMSNorm folded in
+    vocab_size: int
     kernel: kernels.Head | None = None  # the whole head in one call, where its products are on the kernel
 
     @classmethod
@@ -188,7 +189,7 @@ class _ExitHead:
         kernel = None
         if ff.blocks == 0 and isinstance(w_out_t, Packed):
             kernel = kernels.Head([ff.w_in.panels, ff.b_in, ff.w_out.panels, ff.b_out], w_out_t)
-        return cls(ff, w_out_t, kernel)
+        return cls(ff, w_out_t, head[2].weight.shape[0], kernel)
 
     def __call__(self, h: Tensor) -> Tensor:
         h2 = h.reshape(-1, h.shape[-1])
@@ -553,10 +554,47 @@ class Decoder:
             self._target_head = _packed_or(_t(self.model.to_logits[self.target_type].weight, final_norm))
         return _normed_mm(h.reshape(-1, h.shape[-1]), self._target_head).view(*h.shape[:-1], -1)
 
+    def draft(
+        self, x: Tensor, pos: Tensor, gamma: int, temperature: float, generator: torch.Generator | None,
+        enc: Encoded, cache: KVCache,
+    ) -> tuple[Tensor, Tensor | None, Tensor] | None:
+        """The draft phase of a speculative sampling cycle in one kernel call, or None where it does not
+        run (no fused kernels, guided rows: the caller then drafts step by step with `run` and
+        `draft_logits`). x (rows, 1, dim): each row's pending input at slot pos[r]; each draft token is
+        the exit head's argmax (temperature 0) or drawn from softmax(logits / temperature) with one
+        exponential race per step, drawn from `generator` as `sampling.draw` draws it. Returns the exit
+        states of the pending input and the gamma drafts (rows, gamma + 1, dim), the draft
+        distributions (rows, gamma, V) (None when greedy) and the drafts (rows, gamma)."""
+        if enc.guided or not self._fused_attention:
+            return None
+        head = self._draft_head()
+        if head.kernel is None:
+            return None
+        rows, trunk = x.shape[0], range(self.exit_layer)
+        end = int(pos.max()) + gamma + 1
+        if end > self._rope[0].shape[0]:
+            self._ensure_rope(max(end, 2 * cache.capacity))
+        race = None
+        if temperature > 0:
+            race = torch.empty(gamma, rows, head.vocab_size, dtype=x.dtype, device=x.device)
+            for d in range(gamma):  # one draw per step, in the order the step-by-step loop draws them
+                race[d].exponential_(generator=generator)
+        k_all, v_all = cache.buffers(end)
+        emb = self.model.token_emb[self.target_type].weight.detach()
+        cross_mask = None if enc.mask is None else enc.mask[:, 0, 0]
+        out = kernels.draft(self._stack, head.kernel, emb, x[:, 0], trunk, pos, gamma, temperature, race,
+                            *self._rope, k_all, v_all, enc.keys, enc.values, cross_mask)
+        for i in trunk:
+            self.layer_evals[i] += rows * (gamma + 1)
+        return out
+
     def draft_logits(self, h: Tensor) -> Tensor:
         """The early-exit head on the exit layer's hidden state."""
+        return self._draft_head()(h)
+
+    def _draft_head(self) -> _ExitHead:
         if self.exit_layer is None:
             raise ValueError("this model has no early-exit head (target_early_exit_layer is None)")
         if self._exit_head is None:
             self._exit_head = _ExitHead.of(self.model.to_early_exit_semantic_logits)
-        return self._exit_head(h)
+        return self._exit_head

@@ -169,6 +169,23 @@ class Head:
         return self._head(h if h.stride(-1) == 1 else h.contiguous())
 
 
+def draft(
+    stack: Stack, head: Head, emb: Tensor, x0: Tensor, layers: range, start: Tensor, gamma: int, temperature: float,
+    race: Tensor | None, cos: Tensor, sin: Tensor, k_all: Tensor, v_all: Tensor, enc_keys: Tensor, enc_values: Tensor,
+    cross_mask: Tensor | None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """A speculative sampling cycle's draft phase in one call (csrc/layers.cpp): from x0 (rows, dim) at
+    slots start (rows,), gamma tokens per row through `layers` (the trunk, from layer 0) and `head`,
+    greedy (race None) or drawn from softmax(logits / temperature) by the race (gamma, rows, V) of Exp(1)
+    draws, each embedded from emb as the next input. Returns the trunk's output at every position
+    (rows, gamma + 1, dim), the draft distributions (rows, gamma, V) or None when greedy, and the drafts."""
+    if layers.start != 0:
+        raise ValueError("the draft trunk starts at layer 0")
+    exits, q, drafts = _module.draft(stack._stack, head._head, emb, x0, layers.stop, start, gamma, temperature, race,
+                                     cos, sin, k_all, v_all, enc_keys, enc_values, cross_mask)
+    return exits, (q if race is not None else None), drafts
+
+
 def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:
     """In place: rows r of a cache buffer t (layers, rows, heads, capacity, d), float32 CPU contiguous,
     become rows index[r] (index (rows,)), slots below `high`; unmoved rows are not touched."""

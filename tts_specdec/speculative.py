@@ -6,7 +6,8 @@ Per cycle, every row at its own length:
   accept  Leviathan et al. accept/reject (greedy: draft == target argmax), rows keep different counts
   commit  append accepted tokens + correction/bonus, crop each row's cache, drop rows that ended
 Layers 1..E are shared: their K/V, written by the draft, serve the target too, so no token passes
-them twice (rejected drafts are the only wasted work).
+them twice (rejected drafts are the only wasted work). On the CPU kernels the whole draft phase is one
+call (`Decoder.draft`); guidance, top-k/top-p and early draft stops draft step by step.
 """
 
 from __future__ import annotations
@@ -66,32 +67,17 @@ def sample_loop(
         start = dec.start_of(pos_t, guided)
         # draft: gamma tokens from the exit head, keeping every exit state for the target
         t0 = time.perf_counter()
-        x, exits, q, drafts = rows.x, [], [], []
-        limit = drafting = None  # per-row draft counts, only when rows may stop early
-        if draft_confidence is not None:
-            limit = torch.full_like(pos_t, gamma)
-            drafting = torch.ones_like(pos_t, dtype=torch.bool)
-        for d in range(gamma):
-            h = dec.run(x, start + d, trunk, enc, cache)
-            exits.append(h)
-            draft_logits = logits_of(h[:, -1], dec.draft_logits)
-            if cfg.greedy:
-                token = draft_logits.argmax(dim=-1)
-            else:
-                q.append(probabilities(draft_logits, cfg))
-                token = draw(q[-1], generator)
-            drafts.append(token)
-            x = dec.embed(token[:, None], guided)
-            if drafting is not None:
-                q_x = draft_logits.softmax(-1).amax(-1) if cfg.greedy else q[-1].gather(-1, token[:, None])[:, 0]
-                stop = drafting & (q_x < draft_confidence)
-                limit = torch.where(stop, d + 1, limit)
-                drafting &= ~stop
-                if not bool(drafting.any()):
-                    break
-        if drafts:
-            exits.append(dec.run(x, start + len(drafts), trunk, enc, cache))
-            x = torch.cat(exits, dim=1)
+        limit = None  # per-row draft counts, only when rows may stop early
+        fused = None
+        if gamma and draft_confidence is None and cfg.top_k is None and cfg.top_p is None:
+            fused = dec.draft(rows.x, pos_t, gamma, cfg.temperature, generator, enc, cache)
+        if fused is not None:  # the whole draft phase in one kernel call
+            x, q, drafts = fused
+        elif gamma:
+            x, q, drafts, limit = _draft_steps(dec, rows.x, start, pos_t, gamma, trunk, enc, cache, cfg, generator,
+                                               logits_of, guided, draft_confidence)
+        else:
+            x, q, drafts = rows.x, None, None
         t1 = time.perf_counter()
         # verify: the layers above the exit on all gamma + 1 positions at once
         target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)
@@ -100,11 +86,12 @@ def sample_loop(
         t2 = time.perf_counter()
         # commit: accepted drafts, then the correction/bonus token; a row ends at EOS or max_length
         accepted, next_token = acc.accepted.tolist(), acc.next_token.tolist()
-        drafted = torch.stack(drafts, dim=1).tolist() if drafts else [[] for _ in accepted]
+        steps = 0 if drafts is None else drafts.shape[1]
+        drafted = drafts.tolist() if steps else [[] for _ in accepted]
         proposed = None  # drafts each row proposed this cycle
-        if drafts:
-            proposed = limit.tolist() if limit is not None else [len(drafts)] * len(accepted)
-        _count(stats, accepted, proposed, len(drafts), gamma, t1 - t0, t2 - t1)
+        if steps:
+            proposed = limit.tolist() if limit is not None else [steps] * len(accepted)
+        _count(stats, accepted, proposed, steps, gamma, t1 - t0, t2 - t1)
         keep = []
         for r, (i, k) in enumerate(zip(rows.index, accepted)):
             tokens = drafted[r][:k] + [next_token[r]]
@@ -128,19 +115,53 @@ def sample_loop(
     return [torch.tensor(o, dtype=torch.long, device=device) for o in out]
 
 
+def _draft_steps(
+    dec: Decoder, x: Tensor, start: int | Tensor, pos_t: Tensor, gamma: int, trunk: range, enc, cache, cfg: SamplingConfig,
+    generator: torch.Generator | None, logits_of, guided: bool, draft_confidence: float | None,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """The draft phase step by step (guidance, top-k/top-p, early draft stops, no kernels): returns the
+    exit states (rows, drafts + 1, dim), q (rows, drafts, V) or None when greedy, the drafts (rows,
+    drafts) and each row's proposed count (None: all)."""
+    exits, q, drafts = [], [], []
+    limit = drafting = None
+    if draft_confidence is not None:
+        limit = torch.full_like(pos_t, gamma)
+        drafting = torch.ones_like(pos_t, dtype=torch.bool)
+    for d in range(gamma):
+        h = dec.run(x, start + d, trunk, enc, cache)
+        exits.append(h)
+        draft_logits = logits_of(h[:, -1], dec.draft_logits)
+        if cfg.greedy:
+            token = draft_logits.argmax(dim=-1)
+        else:
+            q.append(probabilities(draft_logits, cfg))
+            token = draw(q[-1], generator)
+        drafts.append(token)
+        x = dec.embed(token[:, None], guided)
+        if drafting is not None:
+            q_x = draft_logits.softmax(-1).amax(-1) if cfg.greedy else q[-1].gather(-1, token[:, None])[:, 0]
+            stop = drafting & (q_x < draft_confidence)
+            limit = torch.where(stop, d + 1, limit)
+            drafting &= ~stop
+            if not bool(drafting.any()):
+                break
+    exits.append(dec.run(x, start + len(drafts), trunk, enc, cache))
+    q_t = torch.stack(q, dim=1) if q else None
+    return torch.cat(exits, dim=1), q_t, torch.stack(drafts, dim=1), limit
+
+
 def _accept(
-    target_logits: Tensor, drafts: list[Tensor], q: list[Tensor], cfg: SamplingConfig,
+    target_logits: Tensor, drafts: Tensor | None, q: Tensor | None, cfg: SamplingConfig,
     generator: torch.Generator | None, limit: Tensor | None,
 ) -> Acceptance:
-    """p at the verified positions against the drafts; gamma = 0 simply draws from p."""
-    if not drafts:
+    """p at the verified positions against the drafts (rows, steps); no drafts: simply draw from p."""
+    if drafts is None:
         p0 = target_logits[:, 0]
         token = p0.argmax(dim=-1) if cfg.greedy else draw(probabilities(p0, cfg), generator)
         return Acceptance(torch.zeros_like(token), token)
-    drafts_t = torch.stack(drafts, dim=1)
     if cfg.greedy:
-        return greedy_accept(target_logits.argmax(dim=-1), drafts_t, limit)
-    return speculative_accept(probabilities(target_logits, cfg), torch.stack(q, dim=1), drafts_t, generator, limit)
+        return greedy_accept(target_logits.argmax(dim=-1), drafts, limit)
+    return speculative_accept(probabilities(target_logits, cfg), q, drafts, generator, limit)
 
 
 def _count(

@@ -4,6 +4,9 @@
 // Also the cache's beam reordering, and the module's Python bindings for every source file.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "kernels.h"
@@ -199,6 +202,79 @@ class Head {
   int64_t width_, dim_ = 0, inner_ = 0;
 };
 
+// The draft phase of a speculative sampling cycle in one call: `gamma` tokens per row from the
+// early-exit head, each row at its own slots. x0 (rows, dim): each row's pending input, at slot start[r];
+// draft d runs layers [0, last) at slot start[r] + d, takes the head's logits, picks
+//   greedy (race none): argmax;  sampling: argmax_i q_i / race[d, r, i], q = softmax(logits / temperature)
+// (an exponential race: token i with probability q_i, as `sampling.draw`), and embeds it (emb) as the
+// next input; the last token's exit state is computed too. Returns exits (rows, gamma + 1, dim), q
+// (rows, gamma, V) (empty when greedy) and the drafts (rows, gamma).
+std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
+                                 int64_t last, const torch::Tensor& start, int64_t gamma, double temperature,
+                                 const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 const torch::Tensor& k_all, const torch::Tensor& v_all, const torch::Tensor& enc_keys,
+                                 const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask) {
+  TORCH_CHECK(x0.dim() == 2 && x0.scalar_type() == at::kFloat, "x0: float32 (rows, dim)");
+  TORCH_CHECK(start.dim() == 1 && start.size(0) == x0.size(0) && start.scalar_type() == at::kLong && start.is_contiguous(),
+              "start: contiguous int64 (rows,)");
+  TORCH_CHECK(emb.dim() == 2 && emb.size(1) == x0.size(1) && emb.is_contiguous() && emb.scalar_type() == at::kFloat,
+              "emb: contiguous float32 (tokens, dim)");
+  TORCH_CHECK(gamma >= 1 && (race || temperature == 0.0) && temperature >= 0.0, "gamma >= 1; race unless greedy");
+  const int64_t rows = x0.size(0), dim = x0.size(1);
+  const int64_t* sp = start.data_ptr<int64_t>();
+  const int64_t first = *std::max_element(sp, sp + rows);
+  auto exits = torch::empty({rows, gamma + 1, dim}, x0.options());
+  auto drafts = torch::empty({rows, gamma}, start.options());
+  torch::Tensor q;
+  const float* ep = nullptr;
+  auto x = x0.contiguous();
+  auto slots = start.view({rows, 1}).clone();
+  const c10::optional<torch::Tensor> none;
+  for (int64_t d = 0; d <= gamma; ++d) {
+    if (d) slots.add_(1);
+    auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, first + d + 1, enc_keys, enc_values, cross_mask);
+    exits.select(1, d).copy_(h);
+    if (d == gamma) break;
+    auto logits = head(h);  // (rows, V), a view of whole-panel rows
+    const int64_t V = logits.size(1), ld = logits.stride(0);
+    if (d == 0 && race) {
+      TORCH_CHECK(race->dim() == 3 && race->size(0) == gamma && race->size(1) == rows && race->size(2) == V &&
+                  race->is_contiguous() && race->scalar_type() == at::kFloat, "race: contiguous float32 (gamma, rows, V)");
+      ep = race->data_ptr<float>();
+      q = torch::empty({rows, gamma, V}, x0.options());
+    }
+    TORCH_CHECK(V <= emb.size(0), "head wider than the embedding table");
+    const float* lp = logits.data_ptr<float>();
+    x = torch::empty({rows, dim}, x0.options());
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* l = lp + r * ld;
+      int64_t best = 0;
+      if (!ep) {
+        for (int64_t i = 1; i < V; ++i)
+          if (l[i] > l[best]) best = i;
+      } else {
+        float* qr = q.data_ptr<float>() + (r * gamma + d) * V;
+        const float t = float(temperature);  // logits / t as `sampling.filter_logits` divides them
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < V; ++i) m = std::max(m, t == 1.0f ? l[i] : l[i] / t);
+        double total = 0.0;
+        for (int64_t i = 0; i < V; ++i) total += (qr[i] = std::exp((t == 1.0f ? l[i] : l[i] / t) - m));
+        const float inv = float(1.0 / total);
+        const float* e = ep + (d * rows + r) * V;
+        float best_score = -1.0f;
+        for (int64_t i = 0; i < V; ++i) {
+          qr[i] *= inv;
+          const float score = qr[i] / std::max(e[i], std::numeric_limits<float>::min());
+          if (score > best_score) best_score = score, best = i;
+        }
+      }
+      drafts.data_ptr<int64_t>()[r * gamma + d] = best;
+      std::copy(emb.data_ptr<float>() + best * dim, emb.data_ptr<float>() + (best + 1) * dim, x.data_ptr<float>() + r * dim);
+    }
+  }
+  return {exits, q.defined() ? q : torch::empty({0}, x0.options()), drafts};
+}
+
 // In place: rows r of t (layers, rows, heads, capacity, d) become rows index[r], slots below `high`
 // only. Rows that keep their place are not touched; sources are read before any row is written.
 void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
@@ -242,6 +318,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Head>(m, "Head")
       .def(py::init<std::vector<torch::Tensor>, torch::Tensor, int64_t>())
       .def("__call__", &Head::operator(), "logits of hidden states (tokens, dim)");
+  m.def("draft", &draft, "the draft phase of a speculative sampling cycle: gamma tokens per row from the exit head");
   m.def("speculative_accept", &speculative_accept, "Leviathan et al.'s accept rule for one cycle of every row");
   m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
   py::class_<Stack>(m, "Stack")
