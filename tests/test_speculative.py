@@ -289,11 +289,12 @@ def test_trunk_runs_once_per_token_beyond_rejected_drafts(sources):
     assert plain.stats.layer_evals == [4 * MAX_LEN] * 4
 
 
+@pytest.mark.parametrize("confidence", [None, 0.5], ids=["all", "early-stops"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
-def test_fused_draft_phase_equals_step_by_step(sources, temperature):
+def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence):
     """The draft phase in one kernel call (Decoder.draft) drafts what the step-by-step loop drafts from
     the same generator: the same tokens, the same exit states, q equal up to float rounding, rows at
-    different positions included; and it writes the same trunk K/V into the cache."""
+    different positions included, the same early stops; and it writes the same trunk K/V."""
     from tts_specdec import kernels
     from tts_specdec.decoder import Decoder
     from tts_specdec.sampling import SamplingConfig
@@ -317,17 +318,22 @@ def test_fused_draft_phase_equals_step_by_step(sources, temperature):
             x = dec.embed(torch.tensor([[1], [2], [3], [4]]))
             gen = torch.Generator().manual_seed(7)
             if fused:
-                out = dec.draft(x, pos, gamma, temperature, gen, enc, cache)
+                out = dec.draft(x, pos, gamma, temperature, gen, enc, cache, confidence)
                 assert out is not None
             else:
                 cfg = SamplingConfig(temperature)
                 start = dec.start_of(pos, False)
                 out = _draft_steps(dec, x, start, pos, gamma, range(dec.exit_layer), enc, cache, cfg, gen,
-                                   lambda h, head: head(h), False, None)[:3]
+                                   lambda h, head: head(h), False, confidence)
             trunk_k = cache.k[: dec.exit_layer, :, :, : 5 + 5 + gamma + 1].clone()
             results.append((out, trunk_k))
-    (exits_f, q_f, drafts_f), k_f = results[0]
-    (exits_s, q_s, drafts_s), k_s = results[1]
+    (exits_f, q_f, drafts_f, limit_f), k_f = results[0]
+    (exits_s, q_s, drafts_s, limit_s), k_s = results[1]
+    if confidence is None:
+        assert limit_f is None and limit_s is None
+    else:
+        assert torch.equal(limit_f, limit_s)
+        assert drafts_f.shape[1] < gamma or int(limit_f.min()) < gamma  # some row stopped early
     assert torch.equal(drafts_f, drafts_s)
     assert torch.equal(exits_f, exits_s)
     assert torch.equal(k_f, k_s)

@@ -556,15 +556,16 @@ class Decoder:
 
     def draft(
         self, x: Tensor, pos: Tensor, gamma: int, temperature: float, generator: torch.Generator | None,
-        enc: Encoded, cache: KVCache,
-    ) -> tuple[Tensor, Tensor | None, Tensor] | None:
+        enc: Encoded, cache: KVCache, confidence: float | None = None,
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None] | None:
         """The draft phase of a speculative sampling cycle in one kernel call, or None where it does not
         run (no fused kernels, guided rows: the caller then drafts step by step with `run` and
         `draft_logits`). x (rows, 1, dim): each row's pending input at slot pos[r]; each draft token is
         the exit head's argmax (temperature 0) or drawn from softmax(logits / temperature) with one
-        exponential race per step, drawn from `generator` as `sampling.draw` draws it. Returns the exit
-        states of the pending input and the gamma drafts (rows, gamma + 1, dim), the draft
-        distributions (rows, gamma, V) (None when greedy) and the drafts (rows, gamma)."""
+        exponential race per step, drawn from `generator` as `sampling.draw` draws it; `confidence`: the
+        early draft stops of `speculative.sample_loop`. Returns the exit states of the pending input and
+        the drafts (rows, steps + 1, dim), the draft distributions (rows, steps, V) (None when greedy),
+        the drafts (rows, steps) and each row's proposed count (None without confidence)."""
         if enc.guided or not self._fused_attention:
             return None
         head = self._draft_head()
@@ -582,10 +583,10 @@ class Decoder:
         k_all, v_all = cache.buffers(end)
         emb = self.model.token_emb[self.target_type].weight.detach()
         cross_mask = None if enc.mask is None else enc.mask[:, 0, 0]
-        out = kernels.draft(self._stack, head.kernel, emb, x[:, 0], trunk, pos, gamma, temperature, race,
+        out = kernels.draft(self._stack, head.kernel, emb, x[:, 0], trunk, pos, gamma, temperature, confidence, race,
                             *self._rope, k_all, v_all, enc.keys, enc.values, cross_mask)
         for i in trunk:
-            self.layer_evals[i] += rows * (gamma + 1)
+            self.layer_evals[i] += rows * out[0].shape[1]
         return out
 
     def draft_logits(self, h: Tensor) -> Tensor:

@@ -171,19 +171,22 @@ class Head:
 
 def draft(
     stack: Stack, head: Head, emb: Tensor, x0: Tensor, layers: range, start: Tensor, gamma: int, temperature: float,
-    race: Tensor | None, cos: Tensor, sin: Tensor, k_all: Tensor, v_all: Tensor, enc_keys: Tensor, enc_values: Tensor,
-    cross_mask: Tensor | None,
-) -> tuple[Tensor, Tensor | None, Tensor]:
+    confidence: float | None, race: Tensor | None, cos: Tensor, sin: Tensor, k_all: Tensor, v_all: Tensor,
+    enc_keys: Tensor, enc_values: Tensor, cross_mask: Tensor | None,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """A speculative sampling cycle's draft phase in one call (csrc/layers.cpp): from x0 (rows, dim) at
     slots start (rows,), gamma tokens per row through `layers` (the trunk, from layer 0) and `head`,
     greedy (race None) or drawn from softmax(logits / temperature) by the race (gamma, rows, V) of Exp(1)
-    draws, each embedded from emb as the next input. Returns the trunk's output at every position
-    (rows, gamma + 1, dim), the draft distributions (rows, gamma, V) or None when greedy, and the drafts."""
+    draws, each embedded from emb as the next input. confidence: a row stops proposing after a draft its
+    head gave less than that probability, and drafting ends when every row stopped. Returns the trunk's
+    output at every position (rows, steps + 1, dim), the draft distributions (rows, steps, V) or None
+    when greedy, the drafts (rows, steps) and, with confidence, each row's proposed count (rows,)."""
     if layers.start != 0:
         raise ValueError("the draft trunk starts at layer 0")
-    exits, q, drafts = _module.draft(stack._stack, head._head, emb, x0, layers.stop, start, gamma, temperature, race,
-                                     cos, sin, k_all, v_all, enc_keys, enc_values, cross_mask)
-    return exits, (q if race is not None else None), drafts
+    exits, q, drafts, limit = _module.draft(stack._stack, head._head, emb, x0, layers.stop, start, gamma, temperature,
+                                            confidence or 0.0, race, cos, sin, k_all, v_all, enc_keys, enc_values,
+                                            cross_mask)
+    return exits, (q if race is not None else None), drafts, (limit if confidence else None)
 
 
 def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:

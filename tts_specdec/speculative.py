@@ -7,7 +7,7 @@ Per cycle, every row at its own length:
   commit  append accepted tokens + correction/bonus, crop each row's cache, drop rows that ended
 Layers 1..E are shared: their K/V, written by the draft, serve the target too, so no token passes
 them twice (rejected drafts are the only wasted work). On the CPU kernels the whole draft phase is one
-call (`Decoder.draft`); guidance, top-k/top-p and early draft stops draft step by step.
+call (`Decoder.draft`), early draft stops included; guidance and top-k/top-p draft step by step.
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ def sample_loop(
         t0 = time.perf_counter()
         limit = None  # per-row draft counts, only when rows may stop early
         fused = None
-        if gamma and draft_confidence is None and cfg.top_k is None and cfg.top_p is None:
-            fused = dec.draft(rows.x, pos_t, gamma, cfg.temperature, generator, enc, cache)
+        if gamma and cfg.top_k is None and cfg.top_p is None:
+            fused = dec.draft(rows.x, pos_t, gamma, cfg.temperature, generator, enc, cache, draft_confidence)
         if fused is not None:  # the whole draft phase in one kernel call
-            x, q, drafts = fused
+            x, q, drafts, limit = fused
         elif gamma:
             x, q, drafts, limit = _draft_steps(dec, rows.x, start, pos_t, gamma, trunk, enc, cache, cfg, generator,
                                                logits_of, guided, draft_confidence)
@@ -119,7 +119,7 @@ def _draft_steps(
     dec: Decoder, x: Tensor, start: int | Tensor, pos_t: Tensor, gamma: int, trunk: range, enc, cache, cfg: SamplingConfig,
     generator: torch.Generator | None, logits_of, guided: bool, draft_confidence: float | None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-    """The draft phase step by step (guidance, top-k/top-p, early draft stops, no kernels): returns the
+    """The draft phase step by step (guidance, top-k/top-p, no kernels): returns the
     exit states (rows, drafts + 1, dim), q (rows, drafts, V) or None when greedy, the drafts (rows,
     drafts) and each row's proposed count (None: all)."""
     exits, q, drafts = [], [], []

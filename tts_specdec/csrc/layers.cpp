@@ -207,11 +207,14 @@ class Head {
 // draft d runs layers [0, last) at slot start[r] + d, takes the head's logits, picks
 //   greedy (race none): argmax;  sampling: argmax_i q_i / race[d, r, i], q = softmax(logits / temperature)
 // (an exponential race: token i with probability q_i, as `sampling.draw`), and embeds it (emb) as the
-// next input; the last token's exit state is computed too. Returns exits (rows, gamma + 1, dim), q
-// (rows, gamma, V) (empty when greedy) and the drafts (rows, gamma).
+// next input; the last token's exit state is computed too. confidence > 0: a row stops proposing after
+// a draft its head gave less than that probability (greedy: the softmax maximum), and drafting ends
+// once every row stopped (`speculative.sample_loop`'s early stops). Returns exits (rows, steps + 1,
+// dim), q (rows, steps, V) (empty when greedy), the drafts (rows, steps) and each row's proposed count
+// (rows,) (empty without confidence), steps <= gamma.
 std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                  int64_t last, const torch::Tensor& start, int64_t gamma, double temperature,
-                                 const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 double confidence, const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& k_all, const torch::Tensor& v_all, const torch::Tensor& enc_keys,
                                  const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask) {
   TORCH_CHECK(x0.dim() == 2 && x0.scalar_type() == at::kFloat, "x0: float32 (rows, dim)");
@@ -230,11 +233,14 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
   auto x = x0.contiguous();
   auto slots = start.view({rows, 1}).clone();
   const c10::optional<torch::Tensor> none;
-  for (int64_t d = 0; d <= gamma; ++d) {
+  auto limit = torch::full({rows}, gamma, start.options());
+  int64_t* limits = limit.data_ptr<int64_t>();
+  int64_t steps = gamma, drafting = rows;
+  for (int64_t d = 0;; ++d) {
     if (d) slots.add_(1);
     auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, first + d + 1, enc_keys, enc_values, cross_mask);
     exits.select(1, d).copy_(h);
-    if (d == gamma) break;
+    if (d == steps) break;
     auto logits = head(h);  // (rows, V), a view of whole-panel rows
     const int64_t V = logits.size(1), ld = logits.stride(0);
     if (d == 0 && race) {
@@ -249,9 +255,15 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
     for (int64_t r = 0; r < rows; ++r) {
       const float* l = lp + r * ld;
       int64_t best = 0;
+      float chosen = 1.0f;  // the draft's probability of its token, for the early stop
       if (!ep) {
         for (int64_t i = 1; i < V; ++i)
           if (l[i] > l[best]) best = i;
+        if (confidence > 0) {  // softmax maximum = 1 / sum_i exp(l_i - max)
+          double total = 0.0;
+          for (int64_t i = 0; i < V; ++i) total += std::exp(l[i] - l[best]);
+          chosen = float(1.0 / total);
+        }
       } else {
         float* qr = q.data_ptr<float>() + (r * gamma + d) * V;
         const float t = float(temperature);  // logits / t as `sampling.filter_logits` divides them
@@ -267,12 +279,19 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
           const float score = qr[i] / std::max(e[i], std::numeric_limits<float>::min());
           if (score > best_score) best_score = score, best = i;
         }
+        chosen = qr[best];
+      }
+      if (confidence > 0 && limits[r] == gamma && d < gamma && chosen < confidence) {
+        limits[r] = d + 1;  // this row proposes drafts 0..d
+        --drafting;
       }
       drafts.data_ptr<int64_t>()[r * gamma + d] = best;
       std::copy(emb.data_ptr<float>() + best * dim, emb.data_ptr<float>() + (best + 1) * dim, x.data_ptr<float>() + r * dim);
     }
+    if (drafting == 0) steps = d + 1;  // every row stopped: the next pass is the last exit state
   }
-  return {exits, q.defined() ? q : torch::empty({0}, x0.options()), drafts};
+  return {exits.narrow(1, 0, steps + 1), q.defined() ? q.narrow(1, 0, steps) : torch::empty({0}, x0.options()),
+          drafts.narrow(1, 0, steps), confidence > 0 ? limit : torch::empty({0}, start.options())};
 }
 
 // In place: rows r of t (layers, rows, heads, capacity, d) become rows index[r], slots below `high`
