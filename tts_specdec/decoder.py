@@ -37,6 +37,11 @@ class Encoded:
     def rows(self) -> int:
         return self.keys.shape[1]
 
+    @property
+    def cross_mask(self) -> Tensor | None:
+        """The mask as the kernels take it, (rows, 1 + source_len)."""
+        return None if self.mask is None else self.mask[:, 0, 0]
+
     def select(self, rows: Tensor) -> "Encoded":
         mask = None if self.mask is None else self.mask.index_select(0, rows)
         return Encoded(self.keys.index_select(1, rows), self.values.index_select(1, rows), mask, self.guided)
@@ -296,6 +301,11 @@ class Decoder:
             self.depth, rows, self.kv_heads, self.dim_head, capacity, dtype=self.dtype, device=self.device
         )
 
+    def _rope_to(self, end: int, cache: KVCache) -> None:
+        """Rotary tables covering positions below `end` (grown to twice the cache when they fall short)."""
+        if self._rope is None or end > self._rope[0].shape[0]:
+            self._ensure_rope(max(end, 2 * cache.capacity))
+
     def _ensure_rope(self, capacity: int) -> None:
         rope = self._rope
         if rope and rope[0].shape[0] >= capacity and (rope[0].dtype, rope[0].device) == (self.dtype, self.device):
@@ -411,8 +421,7 @@ class Decoder:
         rows, n = x.shape[:2]
         end = (start if isinstance(start, int) else int(start.max())) + n  # one past the furthest slot
         rope_end = end if positions is None else max(end, int(positions.max()) + 1)
-        if self._rope is None or rope_end > self._rope[0].shape[0]:
-            self._ensure_rope(max(rope_end, 2 * cache.capacity))
+        self._rope_to(rope_end, cache)
         cos_t, sin_t = self._rope
         weights = self._weights()
         if self._fused_attention and (real is None or not self._packs(rows, n, real)):
@@ -512,7 +521,7 @@ class Decoder:
                 mask = attn_mask.reshape(-1, n, attn_mask.shape[-1])  # (1 or rows, n, keys)
                 if mask.stride(-1) != 1:
                     mask = mask.contiguous()
-        cross_mask = None if enc.mask is None else enc.mask[:, 0, 0]
+        cross_mask = enc.cross_mask
         k_all, v_all = cache.buffers(end)
         x = self._stack.run(x.reshape(rows * n, dim), layers, *self._rope, pos, slots, k_all, v_all, mask, end,
                             enc.keys, enc.values, cross_mask)
@@ -573,8 +582,7 @@ class Decoder:
             return None
         rows, trunk = x.shape[0], range(self.exit_layer)
         end = int(pos.max()) + gamma + 1
-        if end > self._rope[0].shape[0]:
-            self._ensure_rope(max(end, 2 * cache.capacity))
+        self._rope_to(end, cache)
         race = None
         if temperature > 0:
             race = torch.empty(gamma, rows, head.vocab_size, dtype=x.dtype, device=x.device)
@@ -582,7 +590,7 @@ class Decoder:
                 race[d].exponential_(generator=generator)
         k_all, v_all = cache.buffers(end)
         emb = self.model.token_emb[self.target_type].weight.detach()
-        cross_mask = None if enc.mask is None else enc.mask[:, 0, 0]
+        cross_mask = enc.cross_mask
         out = kernels.draft(self._stack, head.kernel, emb, x[:, 0], trunk, pos, gamma, temperature, confidence, race,
                             *self._rope, k_all, v_all, enc.keys, enc.values, cross_mask)
         for i in trunk:

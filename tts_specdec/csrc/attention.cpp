@@ -231,6 +231,35 @@ void check_float(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
+// Each token's cache slot and rotary position (sp, pp, rows * n each) from pos, slots (rows, n) int64 of
+// any strides (expanded rows are common); every slot below `keys`, every position below `positions`.
+void token_slots(const torch::Tensor& pos, const torch::Tensor& slots, int64_t keys, int64_t positions,
+                 std::vector<int64_t>& sp, std::vector<int64_t>& pp) {
+  TORCH_CHECK(pos.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && pos.dim() == 2 &&
+              pos.sizes() == slots.sizes(), "pos, slots: int64 (rows, n)");
+  const int64_t rows = slots.size(0), n = slots.size(1);
+  sp.resize(rows * n);
+  pp.resize(rows * n);
+  const int64_t* sd = slots.data_ptr<int64_t>();
+  const int64_t* pd = pos.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n; ++i) {
+      sp[r * n + i] = sd[r * slots.stride(0) + i * slots.stride(1)];
+      pp[r * n + i] = pd[r * pos.stride(0) + i * pos.stride(1)];
+      TORCH_CHECK(0 <= sp[r * n + i] && sp[r * n + i] < keys && 0 <= pp[r * n + i] && pp[r * n + i] < positions,
+                  "slot or position out of range");
+    }
+}
+
+// A self-attention mask (1 or rows, n, keys) additive float32, or none (causal by slot).
+tts::MaskView mask_view(const c10::optional<torch::Tensor>& mask, int64_t rows, int64_t n, int64_t keys) {
+  if (!mask) return {};
+  check_float(*mask, "mask");
+  TORCH_CHECK(mask->dim() == 3 && (mask->size(0) == 1 || mask->size(0) == rows) && mask->size(1) == n &&
+              mask->size(2) == keys, "mask: (1 or rows, n, keys)");
+  return {mask->data_ptr<float>(), mask->size(0), mask->size(0) == 1 ? 0 : mask->stride(0), mask->stride(1)};
+}
+
 // heads (rows * n, (h + 2 * kvh) * d): q heads, then k heads, then v heads of every token.
 // cos, sin (P, d) rotary tables; pos, slots (rows, n) int64: rotary position and cache slot of each token.
 // k_cache, v_cache (rows, kvh, capacity, d): this layer's cache; every token's k, v land at its slot.
@@ -245,8 +274,7 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
   check_float(v_cache, "v_cache");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
               cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos, sin: contiguous float32 (P, d)");
-  TORCH_CHECK(pos.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && pos.dim() == 2 &&
-              pos.sizes() == slots.sizes(), "pos, slots: int64 (rows, n)");
+  TORCH_CHECK(slots.dim() == 2, "pos, slots: int64 (rows, n)");
   const int64_t rows = slots.size(0), n = slots.size(1), d = k_cache.size(3), cap = k_cache.size(2);
   TORCH_CHECK(heads.dim() == 2 && heads.is_contiguous() && heads.size(0) == rows * n && heads.size(1) == (h + 2 * kvh) * d,
               "heads: contiguous (rows * n, (h + 2 kvh) d)");
@@ -255,24 +283,9 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
               h % kvh == 0, "k_cache, v_cache: (rows, kvh, capacity, d)");
   TORCH_CHECK(k_cache.stride(2) == d && v_cache.stride(2) == d, "cache slots must be contiguous rows of d");
   TORCH_CHECK(keys <= cap, "keys exceed the cache capacity");
-  // each token's slot and position, gathered from any strides (expanded rows are common)
-  std::vector<int64_t> sp(rows * n), pp(rows * n);
-  const int64_t* sd = slots.data_ptr<int64_t>();
-  const int64_t* pd = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < n; ++i) {
-      sp[r * n + i] = sd[r * slots.stride(0) + i * slots.stride(1)];
-      pp[r * n + i] = pd[r * pos.stride(0) + i * pos.stride(1)];
-      TORCH_CHECK(sp[r * n + i] >= 0 && sp[r * n + i] < std::min(cap, keys) && pp[r * n + i] >= 0 &&
-                  pp[r * n + i] < cos.size(0), "slot or position out of range");
-    }
-  tts::MaskView mv;
-  if (mask) {
-    check_float(*mask, "mask");
-    TORCH_CHECK(mask->dim() == 3 && (mask->size(0) == 1 || mask->size(0) == rows) && mask->size(1) == n &&
-                mask->size(2) == keys, "mask: (1 or rows, n, keys)");
-    mv = {mask->data_ptr<float>(), mask->size(0), mask->size(0) == 1 ? 0 : mask->stride(0), mask->stride(1)};
-  }
+  std::vector<int64_t> sp, pp;
+  token_slots(pos, slots, keys, cos.size(0), sp, pp);
+  const tts::MaskView mv = mask_view(mask, rows, n, keys);
   auto out = torch::empty({rows * n, h * d}, heads.options());
   auto q_rot = torch::empty({rows * n, h * d}, heads.options());
   const tts::CacheView cache{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1),

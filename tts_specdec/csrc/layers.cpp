@@ -19,6 +19,9 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
                              int64_t h, int64_t kvh);
 torch::Tensor cross_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                               const c10::optional<torch::Tensor>& mask);
+void token_slots(const torch::Tensor& pos, const torch::Tensor& slots, int64_t keys, int64_t positions,
+                 std::vector<int64_t>& sp, std::vector<int64_t>& pp);  // attention.cpp, with the mask's check
+tts::MaskView mask_view(const c10::optional<torch::Tensor>& mask, int64_t rows, int64_t n, int64_t keys);
 std::vector<torch::Tensor> speculative_accept(const torch::Tensor& p, const torch::Tensor& q, const torch::Tensor& drafts,
                                               const torch::Tensor& u, const torch::Tensor& race,
                                               const c10::optional<torch::Tensor>& limit);
@@ -90,8 +93,7 @@ class Stack {
                     const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
                     const c10::optional<torch::Tensor>& cross_mask) const {
     TORCH_CHECK(0 <= first && first <= last && last <= layers_, "layers [", first, ", ", last, ") outside 0..", layers_);
-    TORCH_CHECK(pos.dim() == 2 && pos.sizes() == slots.sizes() && pos.scalar_type() == at::kLong &&
-                slots.scalar_type() == at::kLong, "pos, slots: int64 (rows, n)");
+    TORCH_CHECK(slots.dim() == 2, "pos, slots: int64 (rows, n)");
     const int64_t rows = slots.size(0), n = slots.size(1), tokens = rows * n;
     TORCH_CHECK(x.dim() == 2 && x.size(0) == tokens && x.size(1) == dim_ && x.scalar_type() == at::kFloat && x.device().is_cpu(),
                 "x: float32 CPU (rows * n, dim)");
@@ -101,21 +103,9 @@ class Stack {
     check_cache(v_all, layers_, rows, kvh_, d_, "v_all");
     const int64_t cap = k_all.size(3);
     TORCH_CHECK(v_all.size(3) == cap && 0 <= keys && keys <= cap, "keys exceed the cache capacity");
-    std::vector<int64_t> sp(tokens), pp(tokens);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < n; ++i) {
-        sp[r * n + i] = slots.data_ptr<int64_t>()[r * slots.stride(0) + i * slots.stride(1)];
-        pp[r * n + i] = pos.data_ptr<int64_t>()[r * pos.stride(0) + i * pos.stride(1)];
-        TORCH_CHECK(0 <= sp[r * n + i] && sp[r * n + i] < keys && 0 <= pp[r * n + i] && pp[r * n + i] < cos.size(0),
-                    "slot or position out of range");
-      }
-    tts::MaskView mv;
-    if (mask) {
-      TORCH_CHECK(mask->dim() == 3 && (mask->size(0) == 1 || mask->size(0) == rows) && mask->size(1) == n &&
-                  mask->size(2) == keys && mask->stride(2) == 1 && mask->scalar_type() == at::kFloat,
-                  "mask: float32 (1 or rows, n, keys), unit last stride");
-      mv = {mask->data_ptr<float>(), mask->size(0), mask->size(0) == 1 ? 0 : mask->stride(0), mask->stride(1)};
-    }
+    std::vector<int64_t> sp, pp;
+    token_slots(pos, slots, keys, cos.size(0), sp, pp);
+    const tts::MaskView mv = mask_view(mask, rows, n, keys);
     TORCH_CHECK(enc_keys.dim() == 5 && enc_keys.sizes() == enc_values.sizes() && enc_keys.size(0) == layers_ &&
                 enc_keys.size(1) == rows && enc_keys.size(2) == h_ && enc_keys.size(4) == d_ && enc_keys.stride(4) == 1 &&
                 enc_keys.stride(3) == d_ && enc_values.stride(4) == 1 && enc_values.stride(3) == d_ &&
