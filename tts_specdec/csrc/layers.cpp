@@ -207,7 +207,7 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
                                  double confidence, const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& k_all, const torch::Tensor& v_all, const torch::Tensor& enc_keys,
                                  const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask) {
-  TORCH_CHECK(x0.dim() == 2 && x0.scalar_type() == at::kFloat, "x0: float32 (rows, dim)");
+  TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat, "x0: float32 (rows >= 1, dim)");
   TORCH_CHECK(start.dim() == 1 && start.size(0) == x0.size(0) && start.scalar_type() == at::kLong && start.is_contiguous(),
               "start: contiguous int64 (rows,)");
   TORCH_CHECK(emb.dim() == 2 && emb.size(1) == x0.size(1) && emb.is_contiguous() && emb.scalar_type() == at::kFloat,
