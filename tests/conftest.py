@@ -149,6 +149,7 @@ def layout(request, one_thread, monkeypatch):
     included (`kernel`), or with tree rows packed, whose attention stays torch's (`kernel-packed`)."""
     import tts_specdec.decoder as decoder
     import tts_specdec.kernels as kernels
+    import tts_specdec.weights as weights
 
     monkeypatch.setattr(kernels, "ENABLED", request.param.startswith("kernel"))
     if request.param != "mm":
@@ -156,5 +157,5 @@ def layout(request, one_thread, monkeypatch):
     if request.param in ("split", "kernel-packed"):
         monkeypatch.setattr(decoder, "_PACK_MIN_WORK", 0)
     if request.param == "split":
-        monkeypatch.setattr(decoder, "_SPLIT_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(weights, "_SPLIT_MIN_ELEMENTS", 0)
     return request.param

@@ -1,0 +1,135 @@
+"""A `TextToSemantic`'s weights as the decoding products take them: transposed to (in, out), RMSNorm
+gains folded in, packed for the CPU kernel where it runs, or split into blocks for one bmm where that
+pays; and the rotary tables. Shared by the decoder (`decoder.py`) and the source encoder (`encoder.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import kernels
+from .kernels import PANEL, Packed
+
+
+def _unit(x: Tensor) -> Tensor:
+    # F.normalize(x, dim=-1) in three kernels instead of five
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def _t(weight: Tensor, norm: torch.nn.Module | None = None) -> Tensor:
+    """A Linear weight (out, in) stored as a contiguous (in, out) matrix: `x @ w` on that layout is
+    measurably faster for the few-row products of decoding than `x @ weight.t()` (MKL, CPU).
+
+    `norm`: the spear-tts RMSNorm (F.normalize(x) * sqrt(dim) * gamma) in front of the Linear; its
+    per-channel weight is folded into the matrix's rows, so the norm costs no multiply at run time."""
+    w_t = weight.detach().t()
+    if norm is not None:
+        w_t = w_t * (norm.gamma * norm.scale).detach()[:, None]
+    return w_t.contiguous()
+
+
+# Where the small-product kernel (kernels.py) does not run: MKL runs a product with a handful of rows
+# on one thread however many it may use; one bmm over column (or row) blocks of the weight spreads it
+# over the threads. Worth it for large matrices only (measured on 2 cores: -25% matmul time per beam
+# step at dim 256, a loss at dim 128; the (256, 256) attention products split too: +4% beam tok/s).
+_SPLIT_MIN_ELEMENTS = 1 << 16
+
+
+def _packed_or(w_t: Tensor) -> Tensor | Packed:
+    """The kernel's packed layout where it runs, else the (in, out) matrix. For the heads: a vocabulary
+    that is not whole panels (e.g. 130) gets zero columns, sliced off the product's result."""
+    if not kernels.available(w_t.device, w_t.dtype):
+        return w_t
+    return Packed(F.pad(w_t, (0, -w_t.shape[1] % PANEL)), width=w_t.shape[1])
+
+
+def _normed_mm(x: Tensor, w: Tensor | Packed) -> Tensor:
+    """_unit(x) @ w; the kernel scales the sums by the row norms instead of normalising x first."""
+    return w(x, normalize=True) if isinstance(w, Packed) else torch.mm(_unit(x), w)
+
+
+def _split(w_t: Tensor, blocks: int, dim: int) -> Tensor | None:
+    """(in, out) -> `blocks` blocks along `dim` (1: columns, 0: rows) stacked for one bmm, or None
+    when splitting would not pay (one thread, a small matrix, not on CPU, or uneven blocks)."""
+    if (
+        torch.get_num_threads() < 2 or w_t.device.type != "cpu" or w_t.numel() < _SPLIT_MIN_ELEMENTS
+        or w_t.shape[dim] % blocks
+    ):
+        return None
+    if dim == 1:
+        return w_t.view(w_t.shape[0], blocks, -1).transpose(0, 1).contiguous()  # (blocks, in, out/blocks)
+    return w_t.view(blocks, -1, w_t.shape[1]).contiguous()  # (blocks, in/blocks, out)
+
+
+# Blocks per GEGLU half when the feed-forward is split: the up-projection (the largest matrix) runs
+# as 2 * _FF_BLOCKS column blocks and the down-projection as the matching _FF_BLOCKS row blocks, so
+# the activation never leaves the blocked layout (measured on 2 cores, dim 256, 4 rows: 4 blocks per
+# half take 25% less time than 1).
+_FF_BLOCKS = 4
+
+
+@dataclass
+class _FeedForward:
+    """spear-tts FeedForward (RMSNorm, Linear, GEGLU, Dropout, Linear) as prepared weights."""
+
+    # (dim, 2 * inner) with the norm folded in, or (2 * blocks, dim, inner / blocks): value blocks, then
+    # gate blocks, or packed for the kernel (blocks 0, inner padded to whole panels)
+    w_in: Tensor | Packed
+    b_in: Tensor  # (2 * inner,) or (2 * blocks, 1, inner / blocks)
+    w_out: Tensor | Packed  # (inner, dim), or (blocks, inner / blocks, dim): the matching row blocks
+    b_out: Tensor
+    blocks: int  # 1: plain products, 0: the kernel
+
+    @classmethod
+    def of(cls, ff: torch.nn.Sequential) -> "_FeedForward":
+        w_in, b_in = _t(ff[1].weight, ff[0]), ff[1].bias.detach()
+        w_out, b_out = _t(ff[4].weight), ff[4].bias.detach()
+
+        def padded(multiple: int) -> tuple[Tensor, Tensor, Tensor]:
+            # inner (e.g. 682 = int(256 * 4 * 2 / 3)) padded with zero units: a zero gate column gives
+            # gelu(0) * h = 0 through a zero row of w_out, so the sum is unchanged
+            pad = -w_out.shape[0] % multiple
+            w_in_p = torch.cat([F.pad(half, (0, pad)) for half in w_in.chunk(2, dim=1)], dim=1)
+            b_in_p = torch.cat([F.pad(half, (0, pad)) for half in b_in.chunk(2)])
+            return w_in_p, b_in_p, F.pad(w_out, (0, 0, 0, pad))
+
+        if Packed.fits(w_out):  # dim in whole panels; padding puts w_in's columns in whole panels too
+            w_in_p, b_in_p, w_out_p = padded(PANEL)
+            return cls(Packed(w_in_p), b_in_p, Packed(w_out_p), b_out, 0)
+        b = _FF_BLOCKS
+        w_in_p, b_in_p, w_out_p = padded(b)
+        w_in_blocks = _split(w_in_p, 2 * b, dim=1)
+        if w_in_blocks is None:
+            return cls(w_in, b_in, w_out, b_out, 1)
+        return cls(w_in_blocks, b_in_p.view(2 * b, 1, -1), w_out_p.view(b, -1, w_out_p.shape[1]), b_out, b)
+
+    def residual(self, x: Tensor) -> Tensor:
+        """x + ff(x) for x (tokens, dim), the residual add folded into the output product."""
+        b = self.blocks
+        if b == 0:  # the kernel: GEGLU applied while reading w_out's input
+            return self.w_out(self.w_in(x, self.b_in, normalize=True), self.b_out, residual=x, geglu=True)
+        xn = _unit(x)
+        if b == 1:
+            h, gate = torch.addmm(self.b_in, xn, self.w_in).chunk(2, dim=-1)
+            return torch.addmm(x + self.b_out, F.gelu(gate) * h, self.w_out)
+        y = torch.baddbmm(self.b_in, xn.expand(2 * b, -1, -1), self.w_in)  # (2b, tokens, inner / b)
+        act = F.gelu(y[b:]).mul_(y[:b])  # GEGLU block by block
+        return (x + self.b_out).add_(torch.bmm(act, self.w_out).sum(0))
+
+
+def rope_tables(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(cos, sin) (capacity, d) for `rotate`, from the model's own rotary module, so positions match
+    it bit for bit; rotate_half's sign is folded into sin."""
+    pos = torch.arange(capacity, device=device, dtype=dtype)
+    freqs = rotary(pos, seq_len=capacity)
+    sign = torch.tensor([-1.0, 1.0], dtype=freqs.dtype, device=freqs.device).repeat(freqs.shape[-1] // 2)
+    return freqs.cos(), freqs.sin() * sign
+
+
+def rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """t * cos + rotate_half(t) * sin on `rope_tables`, rotate_half(x)[2i, 2i+1] = (-x[2i+1], x[2i])."""
+    swapped = t.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return torch.addcmul(t * cos, swapped, sin)
