@@ -1,7 +1,7 @@
 // y = x @ W (+ bias) (+ residual) for the few-row products of decoding (float32, AVX2/FMA, CPU).
 //
 // W (in, out) is packed once as out/16 panels of (in, 16) floats, so each panel streams through
-// memory once per call while up to 4 rows of x accumulate against it in registers (4 rows x 2 vectors;
+// memory once per call while up to 6 rows of x accumulate against it in registers (6 rows x 2 vectors;
 // fewer rows take several panels at once).
 // MKL runs such skinny products on one thread at a fraction of the bandwidth; here panels are split
 // over torch's own intra-op threads (at::parallel_for), so the thread pool is shared with torch.
@@ -21,7 +21,7 @@ namespace {
 constexpr int64_t kBlock = 32;  // terms per partial sum
 constexpr int64_t kMinTaskMacs = 1 << 17;  // below this a thread hand-off costs more than it saves
 
-// R rows of x against P consecutive panels (R * P <= 4: at most 8 accumulator chains). One row alone
+// R rows of x against P consecutive panels (R * P <= 6: at most 12 accumulator chains). One row alone
 // would leave the FMA unit waiting on its 2 chains (4-cycle latency per term); taking 4 panels at once
 // gives it 8 independent chains. Every output element is summed in the same order whatever R and P,
 // so a row's result never depends on how many rows share the call.
@@ -109,6 +109,10 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
     for (int64_t p = p0; p < p1; p += 4) {
       const int64_t count = std::min<int64_t>(4, p1 - p);
       int64_t m = 0;
+      if (rows == 5 || rows == 6) {  // one pass over the panels (10 or 12 accumulators): -8% and -13%
+        rows == 5 ? prod.rows_from<5, 1>(0, p, count) : prod.rows_from<6, 1>(0, p, count);
+        continue;
+      }
       for (; m + 4 <= rows; m += 4) prod.rows_from<4, 1>(m, p, count);
       switch (rows - m) {
         case 3: prod.rows_from<3, 1>(m, p, count); break;
