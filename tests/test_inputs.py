@@ -137,3 +137,17 @@ def test_training_model_is_decoded_in_eval_mode_and_put_back():
     assert any(flags) and not all(flags)
     assert [t.tolist() for t in dec.sample(src, temperature=0.0, max_length=8).tokens] == [t.tolist() for t in ref_sample]
     assert [m.training for m in model.modules()] == flags
+
+
+def test_walk_gives_torchs_modules_and_parameters():
+    """One walk for eval mode and Decoder.begin: the same objects in the same order as torch's two
+    walks, shared modules and tied parameters once each (spear-tts ties the text logits to the
+    text embedding)."""
+    from tts_specdec.inputs import walk
+
+    model = make_model(0)
+    model.extra = torch.nn.ModuleList([model.source_transformer.layers[0][2], torch.nn.Linear(2, 2)])  # shared + new
+    model.extra[1].bias = None
+    modules, params = walk(model)
+    assert len(modules) == len(list(model.modules())) and all(a is b for a, b in zip(modules, model.modules()))
+    assert len(params) == len(list(model.parameters())) and all(a is b for a, b in zip(params, model.parameters()))

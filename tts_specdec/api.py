@@ -11,7 +11,7 @@ from torch import Tensor
 from ._upstream import TextToSemantic
 from .beam import beam_search_loop
 from .decoder import Decoder
-from .inputs import check_common, check_float, check_gamma, check_int, eval_mode, prepare_source
+from .inputs import check_common, check_float, check_gamma, check_int, eval_mode, prepare_source, walk
 from .results import Decoded, DecodeStats
 from .sampling import SamplingConfig
 from .speculative import sample_loop
@@ -68,9 +68,9 @@ class SpeculativeDecoder:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         cfg = SamplingConfig(temperature, top_k, top_p)
-        stats = self._stats("speculative" if gamma else "plain", gamma)
+        stats, modules = self._begin("speculative" if gamma else "plain", gamma)
         stats.draft_confidence = draft_confidence
-        with eval_mode(self.model):
+        with eval_mode(self.model, modules):
             source = prepare_source(self.model, source, self.decoder.source_type)
             start = time.perf_counter()
             tokens = sample_loop(
@@ -101,8 +101,8 @@ class SpeculativeDecoder:
         gamma = check_gamma(gamma, self.decoder.exit_layer)
         if draft_width is not None:
             draft_width = check_int("draft_width", draft_width, beam_size)
-        stats = self._stats("speculative-beam" if gamma else "beam", gamma)
-        with eval_mode(self.model):
+        stats, modules = self._begin("speculative-beam" if gamma else "beam", gamma)
+        with eval_mode(self.model, modules):
             source = prepare_source(self.model, source, self.decoder.source_type)
             start = time.perf_counter()
             if gamma:
@@ -126,7 +126,10 @@ class SpeculativeDecoder:
         stats.layer_evals = list(self.decoder.layer_evals)
         return Decoded(tokens, scores, stats)
 
-    def _stats(self, mode: str, gamma: int) -> DecodeStats:
-        self.decoder.begin()
+    def _begin(self, mode: str, gamma: int) -> tuple[DecodeStats, list[torch.nn.Module]]:
+        """Start a decode call: the decoder's weights checked against the model's (one walk of the model
+        gives its parameters for that and its modules for `eval_mode`), fresh stats."""
+        modules, params = walk(self.model)
+        self.decoder.begin(params)
         self.decoder.layer_evals = [0] * self.decoder.depth
-        return DecodeStats(mode=mode, gamma=gamma, exit_layer=self.decoder.exit_layer if gamma else None)
+        return DecodeStats(mode=mode, gamma=gamma, exit_layer=self.decoder.exit_layer if gamma else None), modules

@@ -13,6 +13,7 @@ map sequence indices to rows with `Decoder.rows` and mix the two logits with `sa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -251,13 +252,14 @@ class Decoder:
         split = _split(w_t, blocks or self.heads, dim=1)
         return w_t if split is None else split
 
-    def begin(self) -> None:
+    def begin(self, params: Sequence[torch.nn.Parameter] | None = None) -> None:
         """Start a decode call. The prepared weights (transposed, packed, norms folded in: ~50 ms on
         the reference model, 5% of a 200-token beam search) are rebuilt only when the model's
         parameters may have changed since the last call: another storage, an in-place update (version
         counter), other values (their norms: also catches writes through `.data`, which bypass the
-        version counter), or another thread count or kernel switch (they choose the layout)."""
-        state = self._parameter_state()
+        version counter), or another thread count or kernel switch (they choose the layout).
+        `params`: model.parameters() when the caller has them (`inputs.walk`)."""
+        state = self._parameter_state(list(self.model.parameters()) if params is None else params)
         if state != self._state:
             self._prepared = None
             self._cross_kv = None
@@ -266,8 +268,7 @@ class Decoder:
             self._target_head = None
             self._state = state
 
-    def _parameter_state(self) -> tuple:
-        params = list(self.model.parameters())
+    def _parameter_state(self, params: Sequence[torch.nn.Parameter]) -> tuple:
         with torch.no_grad():
             norms = torch.stack(torch._foreach_norm(params)).tolist() if params else []
         where = tuple((p.data_ptr(), p._version, p.dtype, p.device, tuple(p.shape)) for p in params)

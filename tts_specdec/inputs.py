@@ -85,12 +85,36 @@ def check_gamma(gamma: object, exit_layer: int | None) -> int:
     return gamma
 
 
+def walk(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Parameter]]:
+    """model.modules() and model.parameters(), each once and in torch's order, from one walk: a decode
+    call needs both (eval mode, `Decoder.begin`), and torch's two walks take ~1.5 ms on the shipped
+    model (579 modules), this one ~0.6."""
+    modules: list[torch.nn.Module] = []
+    params: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    seen_params: set[int] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        modules.append(m)
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen_params:
+                seen_params.add(id(p))
+                params.append(p)
+        stack.extend(reversed([c for c in m._modules.values() if c is not None]))  # pre-order, like torch
+    return modules, params
+
+
 @contextlib.contextmanager
-def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+def eval_mode(model: torch.nn.Module, modules: Sequence[torch.nn.Module] | None = None) -> Iterator[None]:
     """Decode in eval mode and put every module back as it was. Only modules in training mode are
     switched (model.eval() and model.train() each walk all modules: ~2.5 ms per call on the shipped
-    model, 5% of decoding a sentence), and each gets its own flag back, mixed modes included."""
-    training = [m for m in model.modules() if m.training]
+    model, 5% of decoding a sentence), and each gets its own flag back, mixed modes included.
+    `modules`: model.modules() when the caller has them (`walk`)."""
+    training = [m for m in (model.modules() if modules is None else modules) if m.training]
     for m in training:
         m.training = False
     try:
