@@ -289,15 +289,18 @@ def test_trunk_runs_once_per_token_beyond_rejected_drafts(sources):
     assert plain.stats.layer_evals == [4 * MAX_LEN] * 4
 
 
+@pytest.mark.parametrize("cond_scale", [1.0, 3.0], ids=["unguided", "cfg-3"])
+@pytest.mark.parametrize("top_k", [None, 3], ids=["all-tokens", "top-3"])
 @pytest.mark.parametrize("confidence", [None, 0.5], ids=["all", "early-stops"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
-def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence):
+def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence, top_k, cond_scale):
     """The draft phase in one kernel call (Decoder.draft) drafts what the step-by-step loop drafts from
     the same generator: the same tokens, the same exit states, q equal up to float rounding, rows at
-    different positions included, the same early stops; and it writes the same trunk K/V."""
+    different positions included, the same early stops, the same top-k filter, the same guidance
+    (cond and null rows); and it writes the same trunk K/V."""
     from tts_specdec import kernels
     from tts_specdec.decoder import Decoder
-    from tts_specdec.sampling import SamplingConfig
+    from tts_specdec.sampling import SamplingConfig, cfg_mix
     from tts_specdec.speculative import _draft_steps
 
     if not kernels.available():
@@ -305,26 +308,29 @@ def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence)
     model = make_model(3, std=0.3)
     dec = Decoder(model)
     dec.begin()
-    src, gamma = sources[4], 4
+    src, gamma, guided = sources[4], 4, cond_scale > 1
+    if guided and confidence is not None:
+        confidence = 0.99  # guidance at 3 sharpens the draft: 0.5 stops no row here
     pos = torch.tensor([3, 0, 5, 2])
     results = []
     with torch.inference_mode():
         for fused in (True, False):
-            enc = dec.encode(src)
+            enc = dec.encode(src, guided)
             cache = dec.new_cache(enc.rows, 16)
             g = torch.Generator().manual_seed(0)
-            prefix = dec.embed(torch.randint(0, 12, (4, 5), generator=g))
+            prefix = dec.embed(torch.randint(0, 12, (4, 5), generator=g), guided)
             dec.run(prefix, 0, range(dec.depth), enc, cache)  # every row's first slots filled
-            x = dec.embed(torch.tensor([[1], [2], [3], [4]]))
+            x = dec.embed(torch.tensor([[1], [2], [3], [4]]), guided)
             gen = torch.Generator().manual_seed(7)
             if fused:
-                out = dec.draft(x, pos, gamma, temperature, gen, enc, cache, confidence)
+                out = dec.draft(x, pos, gamma, temperature, gen, enc, cache, confidence, top_k, cond_scale)
                 assert out is not None
             else:
-                cfg = SamplingConfig(temperature)
-                start = dec.start_of(pos, False)
+                cfg = SamplingConfig(temperature, top_k)
+                start = dec.start_of(pos, guided)
+                logits_of = (lambda h, head: cfg_mix(head(h), cond_scale)) if guided else (lambda h, head: head(h))
                 out = _draft_steps(dec, x, start, pos, gamma, range(dec.exit_layer), enc, cache, cfg, gen,
-                                   lambda h, head: head(h), False, confidence)
+                                   logits_of, guided, confidence)
             trunk_k = cache.k[: dec.exit_layer, :, :, : 5 + 5 + gamma + 1].clone()
             results.append((out, trunk_k))
     (exits_f, q_f, drafts_f, limit_f), k_f = results[0]
@@ -342,3 +348,5 @@ def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence)
     else:
         torch.testing.assert_close(q_f, q_s, rtol=1e-5, atol=1e-7)
         assert len(set(drafts_f.flatten().tolist())) > 2  # the drafts vary: the test sees the draws
+        if top_k is not None:  # the filter ran: at most top_k tokens keep mass (no ties in these logits)
+            assert int((q_f > 0).sum(-1).max()) == top_k

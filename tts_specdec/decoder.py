@@ -456,34 +456,40 @@ class Decoder:
 
     def draft(
         self, x: Tensor, pos: Tensor, gamma: int, temperature: float, generator: torch.Generator | None,
-        enc: Encoded, cache: KVCache, confidence: float | None = None,
+        enc: Encoded, cache: KVCache, confidence: float | None = None, top_k: int | None = None,
+        cond_scale: float = 1.0,
     ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None] | None:
         """The draft phase of a speculative sampling cycle in one kernel call, or None where it does not
-        run (no fused kernels, guided rows: the caller then drafts step by step with `run` and
-        `draft_logits`). x (rows, 1, dim): each row's pending input at slot pos[r]; each draft token is
-        the exit head's argmax (temperature 0) or drawn from softmax(logits / temperature) with one
-        exponential race per step, drawn from `generator` as `sampling.draw` draws it; `confidence`: the
-        early draft stops of `speculative.sample_loop`. Returns the exit states of the pending input and
-        the drafts (rows, steps + 1, dim), the draft distributions (rows, steps, V) (None when greedy),
-        the drafts (rows, steps) and each row's proposed count (None without confidence)."""
-        if enc.guided or not self._fused_attention:
+        run (no fused kernels: the caller then drafts step by step with `run` and `draft_logits`).
+        x (rows, 1, dim): each row's pending input; pos (seqs,): each sequence's slot (guided: rows are
+        (cond, null) pairs, one per sequence, whose draft logits are mixed with `cond_scale` as
+        `sampling.cfg_mix` mixes them). Each draft token is the exit head's argmax (temperature 0) or
+        drawn from softmax(logits / temperature), `top_k`-filtered as `sampling.filter_logits` filters
+        (top-p is not fused), with one exponential race per step, drawn from `generator` as
+        `sampling.draw` draws it; `confidence`: the early draft stops of `speculative.sample_loop`.
+        Returns the exit states of the pending input and the drafts (rows, steps + 1, dim), the draft
+        distributions (seqs, steps, V) (None when greedy), the drafts (seqs, steps) and each sequence's
+        proposed count (None without confidence)."""
+        if not self._fused_attention:
             return None
         head = self._draft_head()
         if head.kernel is None:
             return None
         rows, trunk = x.shape[0], range(self.exit_layer)
+        seqs = pos.shape[0]  # guided: rows come in (cond, null) pairs, one per sequence
         end = int(pos.max()) + gamma + 1
         self._rope_to(end, cache)
         race = None
         if temperature > 0:
-            race = torch.empty(gamma, rows, head.vocab_size, dtype=x.dtype, device=x.device)
+            race = torch.empty(gamma, seqs, head.vocab_size, dtype=x.dtype, device=x.device)
             for d in range(gamma):  # one draw per step, in the order the step-by-step loop draws them
                 race[d].exponential_(generator=generator)
         k_all, v_all = cache.buffers(end)
         emb = self.model.token_emb[self.target_type].weight.detach()
         cross_mask = enc.cross_mask
-        out = kernels.draft(self._stack, head.kernel, emb, x[:, 0], trunk, pos, gamma, temperature, confidence, race,
-                            *self._rope, k_all, v_all, enc.keys, enc.values, cross_mask)
+        out = kernels.draft(self._stack, head.kernel, emb, x[:, 0], trunk, self.per_row(pos, enc.guided), gamma,
+                            temperature, confidence, race, *self._rope, k_all, v_all, enc.keys, enc.values, cross_mask,
+                            top_k, cond_scale if enc.guided else 0.0)
         for i in trunk:
             self.layer_evals[i] += rows * out[0].shape[1]
         return out

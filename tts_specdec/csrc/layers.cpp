@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -196,15 +197,18 @@ class Head {
 // early-exit head, each row at its own slots. x0 (rows, dim): each row's pending input, at slot start[r];
 // draft d runs layers [0, last) at slot start[r] + d, takes the head's logits, picks
 //   greedy (race none): argmax;  sampling: argmax_i q_i / race[d, r, i], q = softmax(logits / temperature)
-// (an exponential race: token i with probability q_i, as `sampling.draw`), and embeds it (emb) as the
+// with, when top_k > 0, the logits below the top_k-th largest masked first (`sampling.filter_logits`;
+// ties with it stay) (an exponential race: token i with probability q_i, as `sampling.draw`), and embeds it (emb) as the
 // next input; the last token's exit state is computed too. confidence > 0: a row stops proposing after
 // a draft its head gave less than that probability (greedy: the softmax maximum), and drafting ends
-// once every row stopped (`speculative.sample_loop`'s early stops). Returns exits (rows, steps + 1,
-// dim), q (rows, steps, V) (empty when greedy), the drafts (rows, steps) and each row's proposed count
-// (rows,) (empty without confidence), steps <= gamma.
+// once every row stopped (`speculative.sample_loop`'s early stops). guidance > 0: rows come in
+// (cond, null) pairs of one sequence each, whose logits are mixed as `sampling.cfg_mix` mixes them,
+// null + (cond - null) * guidance, before the draw; the sequence's token feeds both rows. Returns exits
+// (rows, steps + 1, dim), q (seqs, steps, V) (empty when greedy), the drafts (seqs, steps) and each
+// sequence's proposed count (seqs,) (empty without confidence), steps <= gamma; race is (gamma, seqs, V).
 std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                  int64_t last, const torch::Tensor& start, int64_t gamma, double temperature,
-                                 double confidence, const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 int64_t top_k, double guidance, double confidence, const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& k_all, const torch::Tensor& v_all, const torch::Tensor& enc_keys,
                                  const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask) {
   TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat, "x0: float32 (rows >= 1, dim)");
@@ -213,19 +217,24 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
   TORCH_CHECK(emb.dim() == 2 && emb.size(1) == x0.size(1) && emb.is_contiguous() && emb.scalar_type() == at::kFloat,
               "emb: contiguous float32 (tokens, dim)");
   TORCH_CHECK(gamma >= 1 && (race || temperature == 0.0) && temperature >= 0.0, "gamma >= 1; race unless greedy");
-  const int64_t rows = x0.size(0), dim = x0.size(1);
+  TORCH_CHECK(top_k >= 0, "top_k >= 0 (0: no top-k)");
+  TORCH_CHECK(guidance >= 0.0 && (guidance == 0.0 || x0.size(0) % 2 == 0), "guidance >= 0; guided rows in (cond, null) pairs");
+  const int64_t rows = x0.size(0), dim = x0.size(1), per = guidance > 0.0 ? 2 : 1, seqs = rows / per;
+  const float scale = float(guidance);
+  std::vector<float> mixed;  // guided: one sequence's mixed logits
   const int64_t* sp = start.data_ptr<int64_t>();
+  std::vector<float> kth_buf;  // top-k: a copy of one row's logits for nth_element
   const int64_t first = *std::max_element(sp, sp + rows);
   auto exits = torch::empty({rows, gamma + 1, dim}, x0.options());
-  auto drafts = torch::empty({rows, gamma}, start.options());
+  auto drafts = torch::empty({seqs, gamma}, start.options());
   torch::Tensor q;
   const float* ep = nullptr;
   auto x = x0.contiguous();
   auto slots = start.view({rows, 1}).clone();
   const c10::optional<torch::Tensor> none;
-  auto limit = torch::full({rows}, gamma, start.options());
+  auto limit = torch::full({seqs}, gamma, start.options());
   int64_t* limits = limit.data_ptr<int64_t>();
-  int64_t steps = gamma, drafting = rows;
+  int64_t steps = gamma, drafting = seqs;
   for (int64_t d = 0;; ++d) {
     if (d) slots.add_(1);
     auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, first + d + 1, enc_keys, enc_values, cross_mask);
@@ -234,16 +243,22 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
     auto logits = head(h);  // (rows, V), a view of whole-panel rows
     const int64_t V = logits.size(1), ld = logits.stride(0);
     if (d == 0 && race) {
-      TORCH_CHECK(race->dim() == 3 && race->size(0) == gamma && race->size(1) == rows && race->size(2) == V &&
-                  race->is_contiguous() && race->scalar_type() == at::kFloat, "race: contiguous float32 (gamma, rows, V)");
+      TORCH_CHECK(race->dim() == 3 && race->size(0) == gamma && race->size(1) == seqs && race->size(2) == V &&
+                  race->is_contiguous() && race->scalar_type() == at::kFloat, "race: contiguous float32 (gamma, seqs, V)");
       ep = race->data_ptr<float>();
-      q = torch::empty({rows, gamma, V}, x0.options());
+      q = torch::empty({seqs, gamma, V}, x0.options());
     }
     TORCH_CHECK(V <= emb.size(0), "head wider than the embedding table");
     const float* lp = logits.data_ptr<float>();
     x = torch::empty({rows, dim}, x0.options());
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* l = lp + r * ld;
+    for (int64_t r = 0; r < seqs; ++r) {
+      const float* l = lp + r * per * ld;
+      if (per == 2) {  // float ops in cfg_mix's order (no contraction: -ffp-contract=off)
+        const float *cond = l, *null = l + ld;
+        mixed.resize(V);
+        for (int64_t i = 0; i < V; ++i) mixed[i] = null[i] + (cond[i] - null[i]) * scale;
+        l = mixed.data();
+      }
       int64_t best = 0;
       float chosen = 1.0f;  // the draft's probability of its token, for the early stop
       if (!ep) {
@@ -257,12 +272,19 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
       } else {
         float* qr = q.data_ptr<float>() + (r * gamma + d) * V;
         const float t = float(temperature);  // logits / t as `sampling.filter_logits` divides them
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < V; ++i) m = std::max(m, t == 1.0f ? l[i] : l[i] / t);
+        for (int64_t i = 0; i < V; ++i) qr[i] = t == 1.0f ? l[i] : l[i] / t;
+        if (top_k > 0 && top_k < V) {  // the same float threshold as torch.topk's k-th value
+          kth_buf.assign(qr, qr + V);
+          std::nth_element(kth_buf.begin(), kth_buf.begin() + (top_k - 1), kth_buf.end(), std::greater<float>());
+          const float kth = kth_buf[top_k - 1];
+          for (int64_t i = 0; i < V; ++i)
+            if (qr[i] < kth) qr[i] = -std::numeric_limits<float>::infinity();
+        }
+        const float m = *std::max_element(qr, qr + V);
         double total = 0.0;
-        for (int64_t i = 0; i < V; ++i) total += (qr[i] = std::exp((t == 1.0f ? l[i] : l[i] / t) - m));
+        for (int64_t i = 0; i < V; ++i) total += (qr[i] = std::exp(qr[i] - m));
         const float inv = float(1.0 / total);
-        const float* e = ep + (d * rows + r) * V;
+        const float* e = ep + (d * seqs + r) * V;
         float best_score = -1.0f;
         for (int64_t i = 0; i < V; ++i) {
           qr[i] *= inv;
@@ -276,7 +298,8 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
         --drafting;
       }
       drafts.data_ptr<int64_t>()[r * gamma + d] = best;
-      std::copy(emb.data_ptr<float>() + best * dim, emb.data_ptr<float>() + (best + 1) * dim, x.data_ptr<float>() + r * dim);
+      for (int64_t k = r * per; k < (r + 1) * per; ++k)
+        std::copy(emb.data_ptr<float>() + best * dim, emb.data_ptr<float>() + (best + 1) * dim, x.data_ptr<float>() + k * dim);
     }
     if (drafting == 0) steps = d + 1;  // every row stopped: the next pass is the last exit state
   }
