@@ -128,20 +128,27 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
         return run
 
     t = args.temperature
+    # the sampling and greedy rows: --top-k filters both sides alike (spear-tts: its top_k filter with
+    # that k; without --top-k spear-tts keeps its default filter, top 10% of the vocabulary, and ours none)
+    up_kw: dict = {"cond_scale": args.cond_scale}
+    if args.top_k:
+        up_kw["filter_fn_kwargs"] = {"k": args.top_k}
+    sk = dict(temperature=t, generator=gen, top_k=args.top_k or None, cond_scale=args.cond_scale)
+    gk = dict(temperature=0.0, cond_scale=args.cond_scale)
     modes = [
-        Mode("spear-tts generate (sampling)", upstream(temperature=t)),
-        Mode("ours sample", ours("sample", temperature=t, generator=gen), "spear-tts generate (sampling)"),
+        Mode("spear-tts generate (sampling)", upstream(temperature=t, **up_kw)),
+        Mode("ours sample", ours("sample", **sk), "spear-tts generate (sampling)"),
     ]
     if has_exit:
-        modes.append(Mode(f"ours speculative sample (gamma={g})", ours("sample", temperature=t, generator=gen, gamma=g), "ours sample"))
-        modes.append(Mode(f"ours greedy", ours("sample", temperature=0.0)))
-        modes.append(Mode(f"ours speculative greedy (gamma={g})", ours("sample", temperature=0.0, gamma=g), "ours greedy"))
+        modes.append(Mode(f"ours speculative sample (gamma={g})", ours("sample", gamma=g, **sk), "ours sample"))
+        modes.append(Mode(f"ours greedy", ours("sample", **gk)))
+        modes.append(Mode(f"ours speculative greedy (gamma={g})", ours("sample", gamma=g, **gk), "ours greedy"))
         if args.draft_confidence:
             gm, conf = args.max_gamma, args.draft_confidence
             modes.append(Mode(f"ours speculative sample (gamma<={gm}, conf {conf:g})", ours(
-                "sample", temperature=t, generator=gen, gamma=gm, draft_confidence=conf), "ours sample"))
+                "sample", gamma=gm, draft_confidence=conf, **sk), "ours sample"))
             modes.append(Mode(f"ours speculative greedy (gamma<={gm}, conf {conf:g})", ours(
-                "sample", temperature=0.0, gamma=gm, draft_confidence=conf), "ours greedy"))
+                "sample", gamma=gm, draft_confidence=conf, **gk), "ours greedy"))
     if not args.skip_upstream_beam:
         modes.append(Mode(f"spear-tts generate (beam {k})", upstream(beam_search_decode=True, beam_size=k)))
     modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k), None if args.skip_upstream_beam else f"spear-tts generate (beam {k})"))
@@ -251,7 +258,8 @@ def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
         rows.append(row)
     return {"machine": machine_info(args.device), "setup": setup.description, "batch": int(setup.sources[0].shape[0]),
             "sentences": len(setup.sources), "max_length": max(setup.max_lengths), "reps": args.reps,
-            "gamma": args.gamma, "cost_ratio_c": c, "rows": rows}
+            "gamma": args.gamma, "top_k": args.top_k or None, "cond_scale": args.cond_scale, "cost_ratio_c": c,
+            "rows": rows}
 
 
 def print_table(result: dict) -> None:
@@ -260,6 +268,8 @@ def print_table(result: dict) -> None:
     print(f"torch {m['torch']}, {m['threads']} threads, {m.get('gpu') or m['cpu']}, batch {result['batch']}, "
           f"median of {result['reps']} interleaved reps"
           + (f", small-product kernel: {m['small_product_kernel']}" if "small_product_kernel" in m else ""))
+    if result.get("top_k") or result.get("cond_scale", 1.0) != 1.0:
+        print(f"sampling and greedy rows: top_k {result.get('top_k')}, cond_scale {result.get('cond_scale')}")
     if result["cost_ratio_c"] is not None:
         print(f"measured draft/target step cost ratio c = {result['cost_ratio_c']:.3f}")
     print(f"\n{'mode':48s} {'tok/s':>9s} {'speedup':>20s} {'alpha':>6s} {'tok/pass':>8s} {'bound':>6s}")
@@ -294,6 +304,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="draft levels per cycle of speculative beam search (a row per value and width)")
     p.add_argument("--draft-width", type=int, nargs="+", default=[8, 12], help="draft beam widths W (>= beam size)")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sampling rows keep the k most likely tokens, ours and spear-tts's (0: ours unfiltered, "
+                        "spear-tts its default top 10%%)")
+    p.add_argument("--cond-scale", type=float, default=1.0,
+                   help="classifier-free guidance scale of the sampling and greedy rows (beam rows: 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--distill-steps", type=int, default=300, help="reference model: exit-head distillation steps")
     p.add_argument("--skip-upstream-beam", action="store_true", help="skip spear-tts beam search (slowest row)")
@@ -301,6 +316,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    if args.top_k < 0 or args.cond_scale < 1:
+        p.error("--top-k must be >= 0 and --cond-scale >= 1")
     torch.set_num_threads(args.threads)
     if args.sentences > 1 and (args.model != "default" or args.batch != 1):
         p.error("--sentences > 1 needs --model default and --batch 1")
