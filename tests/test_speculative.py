@@ -290,13 +290,13 @@ def test_trunk_runs_once_per_token_beyond_rejected_drafts(sources):
 
 
 @pytest.mark.parametrize("cond_scale", [1.0, 3.0], ids=["unguided", "cfg-3"])
-@pytest.mark.parametrize("top_k", [None, 3], ids=["all-tokens", "top-3"])
+@pytest.mark.parametrize("top_k, top_p", [(None, None), (3, None), (None, 0.7)], ids=["all-tokens", "top-3", "top-p-0.7"])
 @pytest.mark.parametrize("confidence", [None, 0.5], ids=["all", "early-stops"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
-def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence, top_k, cond_scale):
+def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence, top_k, top_p, cond_scale):
     """The draft phase in one kernel call (Decoder.draft) drafts what the step-by-step loop drafts from
     the same generator: the same tokens, the same exit states, q equal up to float rounding, rows at
-    different positions included, the same early stops, the same top-k filter, the same guidance
+    different positions included, the same early stops, the same top-k and top-p filters, the same guidance
     (cond and null rows); and it writes the same trunk K/V."""
     from tts_specdec import kernels
     from tts_specdec.decoder import Decoder
@@ -323,10 +323,10 @@ def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence,
             x = dec.embed(torch.tensor([[1], [2], [3], [4]]), guided)
             gen = torch.Generator().manual_seed(7)
             if fused:
-                out = dec.draft(x, pos, gamma, temperature, gen, enc, cache, confidence, top_k, cond_scale)
+                out = dec.draft(x, pos, gamma, temperature, gen, enc, cache, confidence, top_k, top_p, cond_scale)
                 assert out is not None
             else:
-                cfg = SamplingConfig(temperature, top_k)
+                cfg = SamplingConfig(temperature, top_k, top_p)
                 start = dec.start_of(pos, guided)
                 logits_of = (lambda h, head: cfg_mix(head(h), cond_scale)) if guided else (lambda h, head: head(h))
                 out = _draft_steps(dec, x, start, pos, gamma, range(dec.exit_layer), enc, cache, cfg, gen,
@@ -350,3 +350,6 @@ def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence,
         assert len(set(drafts_f.flatten().tolist())) > 2  # the drafts vary: the test sees the draws
         if top_k is not None:  # the filter ran: at most top_k tokens keep mass (no ties in these logits)
             assert int((q_f > 0).sum(-1).max()) == top_k
+        if top_p is not None:  # the filter ran: some distributions lost tokens, none all but one
+            kept = (q_f > 0).sum(-1)
+            assert int(kept.min()) < q_f.shape[-1] and int(kept.max()) > 1

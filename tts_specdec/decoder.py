@@ -457,15 +457,15 @@ class Decoder:
     def draft(
         self, x: Tensor, pos: Tensor, gamma: int, temperature: float, generator: torch.Generator | None,
         enc: Encoded, cache: KVCache, confidence: float | None = None, top_k: int | None = None,
-        cond_scale: float = 1.0,
+        top_p: float | None = None, cond_scale: float = 1.0,
     ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None] | None:
         """The draft phase of a speculative sampling cycle in one kernel call, or None where it does not
         run (no fused kernels: the caller then drafts step by step with `run` and `draft_logits`).
         x (rows, 1, dim): each row's pending input; pos (seqs,): each sequence's slot (guided: rows are
         (cond, null) pairs, one per sequence, whose draft logits are mixed with `cond_scale` as
         `sampling.cfg_mix` mixes them). Each draft token is the exit head's argmax (temperature 0) or
-        drawn from softmax(logits / temperature), `top_k`-filtered as `sampling.filter_logits` filters
-        (top-p is not fused), with one exponential race per step, drawn from `generator` as
+        drawn from softmax(logits / temperature), `top_k`/`top_p`-filtered as `sampling.filter_logits`
+        filters, with one exponential race per step, drawn from `generator` as
         `sampling.draw` draws it; `confidence`: the early draft stops of `speculative.sample_loop`.
         Returns the exit states of the pending input and the drafts (rows, steps + 1, dim), the draft
         distributions (seqs, steps, V) (None when greedy), the drafts (seqs, steps) and each sequence's
@@ -489,7 +489,7 @@ class Decoder:
         cross_mask = enc.cross_mask
         out = kernels.draft(self._stack, head.kernel, emb, x[:, 0], trunk, self.per_row(pos, enc.guided), gamma,
                             temperature, confidence, race, *self._rope, k_all, v_all, enc.keys, enc.values, cross_mask,
-                            top_k, cond_scale if enc.guided else 0.0)
+                            top_k, top_p, cond_scale if enc.guided else 0.0)
         for i in trunk:
             self.layer_evals[i] += rows * out[0].shape[1]
         return out

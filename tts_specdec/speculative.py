@@ -7,7 +7,7 @@ Per cycle, every row at its own length:
   commit  append accepted tokens + correction/bonus, crop each row's cache, drop rows that ended
 Layers 1..E are shared: their K/V, written by the draft, serve the target too, so no token passes
 them twice (rejected drafts are the only wasted work). On the CPU kernels the whole draft phase is one
-call (`Decoder.draft`), early draft stops, top-k and guidance included; top-p drafts step by step.
+call (`Decoder.draft`), early draft stops, top-k/top-p and guidance included.
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def sample_loop(
         t0 = time.perf_counter()
         limit = None  # per-row draft counts, only when rows may stop early
         fused = None
-        if gamma and cfg.top_p is None:
+        if gamma:
             fused = dec.draft(rows.x, pos_t, gamma, cfg.temperature, generator, enc, cache, draft_confidence, cfg.top_k,
-                              cond_scale)
+                              cfg.top_p, cond_scale)
         if fused is not None:  # the whole draft phase in one kernel call
             x, q, drafts, limit = fused
         elif gamma:
@@ -120,7 +120,7 @@ def _draft_steps(
     dec: Decoder, x: Tensor, start: int | Tensor, pos_t: Tensor, gamma: int, trunk: range, enc, cache, cfg: SamplingConfig,
     generator: torch.Generator | None, logits_of, guided: bool, draft_confidence: float | None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-    """The draft phase step by step (top-p, no kernels; the reference `Decoder.draft` is tested
+    """The draft phase step by step (without the kernels; the reference `Decoder.draft` is tested
     against): returns the exit states (rows, drafts + 1, dim), q (seqs, drafts, V) or None when greedy,
     the drafts (seqs, drafts) and each sequence's proposed count (None: all)."""
     exits, q, drafts = [], [], []

@@ -197,8 +197,10 @@ class Head {
 // early-exit head, each row at its own slots. x0 (rows, dim): each row's pending input, at slot start[r];
 // draft d runs layers [0, last) at slot start[r] + d, takes the head's logits, picks
 //   greedy (race none): argmax;  sampling: argmax_i q_i / race[d, r, i], q = softmax(logits / temperature)
-// with, when top_k > 0, the logits below the top_k-th largest masked first (`sampling.filter_logits`;
-// ties with it stay) (an exponential race: token i with probability q_i, as `sampling.draw`), and embeds it (emb) as the
+// with, when top_k > 0, the logits below the top_k-th largest masked first (ties with it stay), then,
+// when 0 < top_p < 1, every token whose more likely tokens already hold more than top_p of the mass
+// (`sampling.filter_logits`; the mass summed in double, so a token within ~1e-7 of the edge may fall
+// the other way than in torch's float32 cumsum: q stays the distribution the draft drew from) (an exponential race: token i with probability q_i, as `sampling.draw`), and embeds it (emb) as the
 // next input; the last token's exit state is computed too. confidence > 0: a row stops proposing after
 // a draft its head gave less than that probability (greedy: the softmax maximum), and drafting ends
 // once every row stopped (`speculative.sample_loop`'s early stops). guidance > 0: rows come in
@@ -208,7 +210,7 @@ class Head {
 // sequence's proposed count (seqs,) (empty without confidence), steps <= gamma; race is (gamma, seqs, V).
 std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                  int64_t last, const torch::Tensor& start, int64_t gamma, double temperature,
-                                 int64_t top_k, double guidance, double confidence, const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 int64_t top_k, double top_p, double guidance, double confidence, const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& k_all, const torch::Tensor& v_all, const torch::Tensor& enc_keys,
                                  const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask) {
   TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat, "x0: float32 (rows >= 1, dim)");
@@ -217,7 +219,8 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
   TORCH_CHECK(emb.dim() == 2 && emb.size(1) == x0.size(1) && emb.is_contiguous() && emb.scalar_type() == at::kFloat,
               "emb: contiguous float32 (tokens, dim)");
   TORCH_CHECK(gamma >= 1 && (race || temperature == 0.0) && temperature >= 0.0, "gamma >= 1; race unless greedy");
-  TORCH_CHECK(top_k >= 0, "top_k >= 0 (0: no top-k)");
+  TORCH_CHECK(top_k >= 0 && top_p >= 0.0 && top_p <= 1.0, "top_k >= 0 (0: no top-k), top_p in [0, 1] (0: no top-p)");
+  std::vector<int64_t> order;  // top-p: token ids by falling logit
   TORCH_CHECK(guidance >= 0.0 && (guidance == 0.0 || x0.size(0) % 2 == 0), "guidance >= 0; guided rows in (cond, null) pairs");
   const int64_t rows = x0.size(0), dim = x0.size(1), per = guidance > 0.0 ? 2 : 1, seqs = rows / per;
   const float scale = float(guidance);
@@ -279,6 +282,20 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
           const float kth = kth_buf[top_k - 1];
           for (int64_t i = 0; i < V; ++i)
             if (qr[i] < kth) qr[i] = -std::numeric_limits<float>::infinity();
+        }
+        if (top_p > 0.0 && top_p < 1.0) {
+          order.resize(V);
+          for (int64_t i = 0; i < V; ++i) order[i] = i;
+          std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return qr[a] > qr[b]; });
+          const float top = qr[order[0]];
+          double mass = 0.0;
+          for (int64_t i = 0; i < V; ++i) mass += std::exp(double(qr[i] - top));
+          double before = 0.0;  // mass of the tokens ranked above
+          for (int64_t i = 0; i < V; ++i) {
+            const double pi = std::exp(double(qr[order[i]] - top)) / mass;
+            if (before > top_p) qr[order[i]] = -std::numeric_limits<float>::infinity();
+            before += pi;
+          }
         }
         const float m = *std::max_element(qr, qr + V);
         double total = 0.0;
