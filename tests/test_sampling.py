@@ -265,3 +265,32 @@ def test_accept_kernel_equals_torch_rule_on_the_same_random_numbers(monkeypatch)
         assert torch.equal(kern.accepted, ref.accepted)
         assert torch.equal(kern.next_token, ref.next_token)
     assert 0 < float(results[True, True].accepted.float().mean()) < gamma  # both extremes are exercised
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(1.0, 3), SamplingConfig(1.0, None, 0.8), SamplingConfig(0.7, 20, 0.9),
+                                 SamplingConfig(1.3, 1), SamplingConfig(1.0, 50, 0.5)], ids=str)
+def test_kernel_filtered_probabilities_equal_torch(cfg, monkeypatch):
+    """The one-call filter + softmax (float32 CPU kernels) keeps the same tokens as filter_logits and
+    gives the same probabilities up to float rounding (on random logits, no token at a top-p edge)."""
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    logits = 3 * torch.randn(2, 7, 40, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(kernels, "ENABLED", True)
+    ours = probabilities(logits, cfg)
+    monkeypatch.setattr(kernels, "ENABLED", False)
+    ref = probabilities(logits, cfg)
+    assert torch.equal(ours > 0, ref > 0)
+    assert bool(((ref > 0).sum(-1) < 40).all())  # the filter cut every row
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_kernel_top_p_closed_form(dtype):
+    """The kept prefix and renormalised mass of test_top_p_keeps_the_smallest_prefix_reaching_p, on
+    both paths (float32 through the kernel)."""
+    probs = torch.tensor([[0.15, 0.5, 0.1, 0.25]], dtype=torch.float64)
+    logits = probs.log().to(dtype)
+    for p, keep in {0.4: [1], 0.6: [1, 3], 0.8: [0, 1, 3], 0.95: [0, 1, 2, 3]}.items():
+        out = probabilities(logits, SamplingConfig(top_p=p))
+        assert (out[0] > 0).nonzero()[:, 0].tolist() == keep, p
+    torch.testing.assert_close(probabilities(logits, SamplingConfig(top_p=0.6)).double(),
+                               torch.tensor([[0.0, 2 / 3, 0.0, 1 / 3]], dtype=torch.float64), rtol=1e-6, atol=1e-7)

@@ -195,6 +195,12 @@ def draft(
     return exits, (q if race is not None else None), drafts, (limit if confidence else None)
 
 
+def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
+    """softmax(logits / temperature) after top-k and top-p as `sampling.filter_logits` filters them, for
+    logits (rows, V) float32 on the CPU, in one call (csrc/layers.cpp, shared with the draft phase)."""
+    return _module.filtered_probs(logits, temperature, top_k or 0, top_p or 0.0)
+
+
 def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:
     """In place: rows r of a cache buffer t (layers, rows, heads, capacity, d), float32 CPU contiguous,
     become rows index[r] (index (rows,)), slots below `high`; unmoved rows are not touched."""

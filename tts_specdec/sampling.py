@@ -57,6 +57,11 @@ def probabilities(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     """The distribution tokens are drawn from: filtered softmax, or one-hot argmax when greedy."""
     if cfg.greedy:
         return F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(logits.dtype)
+    if (cfg.top_k is not None or cfg.top_p is not None) and kernels.available(logits.device, logits.dtype):
+        # filter and softmax in one call (~10 small torch ops for top-p otherwise); the same filter
+        # as the fused draft phase; the torch ops below are its reference
+        flat = logits.reshape(-1, logits.shape[-1])
+        return kernels.filtered_probs(flat, cfg.temperature, cfg.top_k, cfg.top_p).view(logits.shape)
     return filter_logits(logits, cfg).softmax(dim=-1)
 
 

@@ -193,14 +193,63 @@ class Head {
   int64_t width_, dim_ = 0, inner_ = 0;
 };
 
+// q[0:V] = softmax of the logits l / t after `sampling.filter_logits`' filters: top_k > 0 masks the
+// logits below the top_k-th largest (the same float threshold as torch.topk's; ties stay); 0 < top_p
+// < 1 then masks every token whose better-ranked tokens already hold more than top_p of the mass (that
+// mass summed in double: a token within ~1e-7 of the edge may fall the other way than in torch's
+// float32 cumsum; q stays the distribution that is drawn from). Scratch vectors are reused by callers.
+void filtered_softmax(const float* l, int64_t V, float t, int64_t top_k, double top_p, float* q,
+                      std::vector<float>& kth_buf, std::vector<int64_t>& order) {
+  for (int64_t i = 0; i < V; ++i) q[i] = t == 1.0f ? l[i] : l[i] / t;  // as filter_logits divides them
+  if (top_k > 0 && top_k < V) {
+    kth_buf.assign(q, q + V);
+    std::nth_element(kth_buf.begin(), kth_buf.begin() + (top_k - 1), kth_buf.end(), std::greater<float>());
+    const float kth = kth_buf[top_k - 1];
+    for (int64_t i = 0; i < V; ++i)
+      if (q[i] < kth) q[i] = -std::numeric_limits<float>::infinity();
+  }
+  if (top_p > 0.0 && top_p < 1.0) {
+    order.resize(V);
+    for (int64_t i = 0; i < V; ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return q[a] > q[b]; });
+    const float top = q[order[0]];
+    double mass = 0.0;
+    for (int64_t i = 0; i < V; ++i) mass += std::exp(double(q[i] - top));
+    double before = 0.0;  // mass of the tokens ranked above
+    for (int64_t i = 0; i < V; ++i) {
+      const double pi = std::exp(double(q[order[i]] - top)) / mass;
+      if (before > top_p) q[order[i]] = -std::numeric_limits<float>::infinity();
+      before += pi;
+    }
+  }
+  const float m = *std::max_element(q, q + V);
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) total += (q[i] = std::exp(q[i] - m));
+  const float inv = float(1.0 / total);
+  for (int64_t i = 0; i < V; ++i) q[i] *= inv;
+}
+
+// probs (rows, V) = filtered_softmax of each row of logits (rows, V), float32, unit column stride.
+torch::Tensor filtered_probs(const torch::Tensor& logits, double temperature, int64_t top_k, double top_p) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
+              "logits: float32 CPU (rows, V), unit column stride");
+  TORCH_CHECK(temperature > 0.0 && top_k >= 0 && top_p >= 0.0 && top_p <= 1.0,
+              "temperature > 0, top_k >= 0 (0: none), top_p in [0, 1] (0: none)");
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  auto probs = torch::empty({rows, V}, logits.options());
+  std::vector<float> kth_buf;
+  std::vector<int64_t> order;
+  for (int64_t r = 0; r < rows; ++r)
+    filtered_softmax(logits.data_ptr<float>() + r * logits.stride(0), V, float(temperature), top_k, top_p,
+                     probs.data_ptr<float>() + r * V, kth_buf, order);
+  return probs;
+}
+
 // The draft phase of a speculative sampling cycle in one call: `gamma` tokens per row from the
 // early-exit head, each row at its own slots. x0 (rows, dim): each row's pending input, at slot start[r];
 // draft d runs layers [0, last) at slot start[r] + d, takes the head's logits, picks
 //   greedy (race none): argmax;  sampling: argmax_i q_i / race[d, r, i], q = softmax(logits / temperature)
-// with, when top_k > 0, the logits below the top_k-th largest masked first (ties with it stay), then,
-// when 0 < top_p < 1, every token whose more likely tokens already hold more than top_p of the mass
-// (`sampling.filter_logits`; the mass summed in double, so a token within ~1e-7 of the edge may fall
-// the other way than in torch's float32 cumsum: q stays the distribution the draft drew from) (an exponential race: token i with probability q_i, as `sampling.draw`), and embeds it (emb) as the
+// filtered by top_k / top_p first (`filtered_softmax`) (an exponential race: token i with probability q_i, as `sampling.draw`), and embeds it (emb) as the
 // next input; the last token's exit state is computed too. confidence > 0: a row stops proposing after
 // a draft its head gave less than that probability (greedy: the softmax maximum), and drafting ends
 // once every row stopped (`speculative.sample_loop`'s early stops). guidance > 0: rows come in
@@ -274,37 +323,10 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
         }
       } else {
         float* qr = q.data_ptr<float>() + (r * gamma + d) * V;
-        const float t = float(temperature);  // logits / t as `sampling.filter_logits` divides them
-        for (int64_t i = 0; i < V; ++i) qr[i] = t == 1.0f ? l[i] : l[i] / t;
-        if (top_k > 0 && top_k < V) {  // the same float threshold as torch.topk's k-th value
-          kth_buf.assign(qr, qr + V);
-          std::nth_element(kth_buf.begin(), kth_buf.begin() + (top_k - 1), kth_buf.end(), std::greater<float>());
-          const float kth = kth_buf[top_k - 1];
-          for (int64_t i = 0; i < V; ++i)
-            if (qr[i] < kth) qr[i] = -std::numeric_limits<float>::infinity();
-        }
-        if (top_p > 0.0 && top_p < 1.0) {
-          order.resize(V);
-          for (int64_t i = 0; i < V; ++i) order[i] = i;
-          std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return qr[a] > qr[b]; });
-          const float top = qr[order[0]];
-          double mass = 0.0;
-          for (int64_t i = 0; i < V; ++i) mass += std::exp(double(qr[i] - top));
-          double before = 0.0;  // mass of the tokens ranked above
-          for (int64_t i = 0; i < V; ++i) {
-            const double pi = std::exp(double(qr[order[i]] - top)) / mass;
-            if (before > top_p) qr[order[i]] = -std::numeric_limits<float>::infinity();
-            before += pi;
-          }
-        }
-        const float m = *std::max_element(qr, qr + V);
-        double total = 0.0;
-        for (int64_t i = 0; i < V; ++i) total += (qr[i] = std::exp(qr[i] - m));
-        const float inv = float(1.0 / total);
+        filtered_softmax(l, V, float(temperature), top_k, top_p, qr, kth_buf, order);
         const float* e = ep + (d * seqs + r) * V;
         float best_score = -1.0f;
         for (int64_t i = 0; i < V; ++i) {
-          qr[i] *= inv;
           const float score = qr[i] / std::max(e[i], std::numeric_limits<float>::min());
           if (score > best_score) best_score = score, best = i;
         }
@@ -367,6 +389,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Head>(m, "Head")
       .def(py::init<std::vector<torch::Tensor>, torch::Tensor, int64_t>())
       .def("__call__", &Head::operator(), "logits of hidden states (tokens, dim)");
+  m.def("filtered_probs", &filtered_probs, "softmax(logits / temperature) after top-k / top-p, row by row");
   m.def("draft", &draft, "the draft phase of a speculative sampling cycle: gamma tokens per row from the exit head");
   m.def("speculative_accept", &speculative_accept, "Leviathan et al.'s accept rule for one cycle of every row");
   m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
