@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
-from tts_specdec._upstream import TextToSemantic, quiet_progress  # noqa: E402
+from tts_specdec._upstream import TextToSemantic, _spear, quiet_progress  # noqa: E402
 from tts_specdec.results import DecodeStats  # noqa: E402
 from tts_specdec.distill import distill_exit_head  # noqa: E402
 
@@ -128,12 +128,14 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
         return run
 
     t = args.temperature
-    # the sampling and greedy rows: --top-k filters both sides alike (spear-tts: its top_k filter with
-    # that k; without --top-k spear-tts keeps its default filter, top 10% of the vocabulary, and ours none)
+    # the sampling and greedy rows: --top-k / --top-p filter both sides alike (spear-tts: its top_k / top_p
+    # filter; without either spear-tts keeps its default filter, top 10% of the vocabulary, and ours none)
     up_kw: dict = {"cond_scale": args.cond_scale}
     if args.top_k:
         up_kw["filter_fn_kwargs"] = {"k": args.top_k}
-    sk = dict(temperature=t, generator=gen, top_k=args.top_k or None, cond_scale=args.cond_scale)
+    if args.top_p:
+        up_kw.update(filter_logits_fn=_spear.top_p, filter_fn_kwargs={"thres": args.top_p})
+    sk = dict(temperature=t, generator=gen, top_k=args.top_k or None, top_p=args.top_p or None, cond_scale=args.cond_scale)
     gk = dict(temperature=0.0, cond_scale=args.cond_scale)
     modes = [
         Mode("spear-tts generate (sampling)", upstream(temperature=t, **up_kw)),
@@ -258,7 +260,8 @@ def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
         rows.append(row)
     return {"machine": machine_info(args.device), "setup": setup.description, "batch": int(setup.sources[0].shape[0]),
             "sentences": len(setup.sources), "max_length": max(setup.max_lengths), "reps": args.reps,
-            "gamma": args.gamma, "top_k": args.top_k or None, "cond_scale": args.cond_scale, "cost_ratio_c": c,
+            "gamma": args.gamma, "top_k": args.top_k or None, "top_p": args.top_p or None, "cond_scale": args.cond_scale,
+            "cost_ratio_c": c,
             "rows": rows}
 
 
@@ -268,8 +271,9 @@ def print_table(result: dict) -> None:
     print(f"torch {m['torch']}, {m['threads']} threads, {m.get('gpu') or m['cpu']}, batch {result['batch']}, "
           f"median of {result['reps']} interleaved reps"
           + (f", small-product kernel: {m['small_product_kernel']}" if "small_product_kernel" in m else ""))
-    if result.get("top_k") or result.get("cond_scale", 1.0) != 1.0:
-        print(f"sampling and greedy rows: top_k {result.get('top_k')}, cond_scale {result.get('cond_scale')}")
+    if result.get("top_k") or result.get("top_p") or result.get("cond_scale", 1.0) != 1.0:
+        print(f"sampling and greedy rows: top_k {result.get('top_k')}, top_p {result.get('top_p')}, "
+              f"cond_scale {result.get('cond_scale')}")
     if result["cost_ratio_c"] is not None:
         print(f"measured draft/target step cost ratio c = {result['cost_ratio_c']:.3f}")
     print(f"\n{'mode':48s} {'tok/s':>9s} {'speedup':>20s} {'alpha':>6s} {'tok/pass':>8s} {'bound':>6s}")
@@ -307,6 +311,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--top-k", type=int, default=0,
                    help="sampling rows keep the k most likely tokens, ours and spear-tts's (0: ours unfiltered, "
                         "spear-tts its default top 10%%)")
+    p.add_argument("--top-p", type=float, default=0.0,
+                   help="sampling rows keep the smallest set of tokens holding this mass, ours and spear-tts's "
+                        "(0: none; needs --temperature 1, where both filters agree)")
     p.add_argument("--cond-scale", type=float, default=1.0,
                    help="classifier-free guidance scale of the sampling and greedy rows (beam rows: 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -316,8 +323,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
-    if args.top_k < 0 or args.cond_scale < 1:
-        p.error("--top-k must be >= 0 and --cond-scale >= 1")
+    if args.top_k < 0 or args.cond_scale < 1 or not 0 <= args.top_p < 1:
+        p.error("--top-k must be >= 0, --top-p in [0, 1), --cond-scale >= 1")
+    if args.top_p and (args.top_k or args.temperature != 1):
+        p.error("--top-p goes alone with --temperature 1 (spear-tts filters before the temperature)")
     torch.set_num_threads(args.threads)
     if args.sentences > 1 and (args.model != "default" or args.batch != 1):
         p.error("--sentences > 1 needs --model default and --batch 1")
