@@ -181,8 +181,9 @@ def draft(
     """A speculative sampling cycle's draft phase in one call (csrc/layers.cpp): from x0 (rows, dim) at
     slots start (rows,), gamma tokens per row through `layers` (the trunk, from layer 0) and `head`,
     greedy (race None) or drawn from softmax(logits / temperature), top_k- and top_p-filtered as
-    `sampling.filter_logits` filters, by the race (gamma, rows, V) of Exp(1) draws, each embedded from emb as the next input. confidence: a row stops proposing after a draft its
-    head gave less than that probability, and drafting ends when every row stopped. guidance > 0: rows
+    `sampling.filter_logits` filters, by the race of Exp(1) draws, each embedded from emb as the next
+    input. confidence: a row stops proposing after a draft its head gave less than that probability,
+    and drafting ends when every row stopped. guidance > 0: rows
     are (cond, null) pairs, one sequence each, their logits mixed as `sampling.cfg_mix` with that scale.
     Returns the trunk's output at every position (rows, steps + 1, dim), the draft distributions (seqs,
     steps, V) or None when greedy, the drafts (seqs, steps) and, with confidence, each sequence's
@@ -190,8 +191,8 @@ def draft(
     if layers.start != 0:
         raise ValueError("the draft trunk starts at layer 0")
     exits, q, drafts, limit = _module.draft(stack._stack, head._head, emb, x0, layers.stop, start, gamma, temperature,
-                                            top_k or 0, top_p or 0.0, guidance, confidence or 0.0, race, cos, sin, k_all, v_all, enc_keys, enc_values,
-                                            cross_mask)
+                                            top_k or 0, top_p or 0.0, guidance, confidence or 0.0, race, cos, sin,
+                                            k_all, v_all, enc_keys, enc_values, cross_mask)
     return exits, (q if race is not None else None), drafts, (limit if confidence else None)
 
 

@@ -67,18 +67,13 @@ def sample_loop(
         start = dec.start_of(pos_t, guided)
         # draft: gamma tokens from the exit head, keeping every exit state for the target
         t0 = time.perf_counter()
-        limit = None  # per-row draft counts, only when rows may stop early
-        fused = None
-        if gamma:
+        # limit: per-row draft counts, only when rows may stop early
+        x, q, drafts, limit = rows.x, None, None, None
+        if gamma:  # the whole draft phase in one kernel call, else step by step
             fused = dec.draft(rows.x, pos_t, gamma, cfg.temperature, generator, enc, cache, draft_confidence, cfg.top_k,
                               cfg.top_p, cond_scale)
-        if fused is not None:  # the whole draft phase in one kernel call
-            x, q, drafts, limit = fused
-        elif gamma:
-            x, q, drafts, limit = _draft_steps(dec, rows.x, start, pos_t, gamma, trunk, enc, cache, cfg, generator,
-                                               logits_of, guided, draft_confidence)
-        else:
-            x, q, drafts = rows.x, None, None
+            x, q, drafts, limit = fused if fused is not None else _draft_steps(
+                dec, rows.x, start, pos_t, gamma, trunk, enc, cache, cfg, generator, logits_of, guided, draft_confidence)
         t1 = time.perf_counter()
         # verify: the layers above the exit on all gamma + 1 positions at once
         target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)

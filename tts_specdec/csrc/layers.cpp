@@ -249,8 +249,8 @@ torch::Tensor filtered_probs(const torch::Tensor& logits, double temperature, in
 // early-exit head, each row at its own slots. x0 (rows, dim): each row's pending input, at slot start[r];
 // draft d runs layers [0, last) at slot start[r] + d, takes the head's logits, picks
 //   greedy (race none): argmax;  sampling: argmax_i q_i / race[d, r, i], q = softmax(logits / temperature)
-// filtered by top_k / top_p first (`filtered_softmax`) (an exponential race: token i with probability q_i, as `sampling.draw`), and embeds it (emb) as the
-// next input; the last token's exit state is computed too. confidence > 0: a row stops proposing after
+// filtered by top_k / top_p first (`filtered_softmax`) (an exponential race: token i with probability
+// q_i, as `sampling.draw`), and embeds it (emb) as the next input; the last token's exit state is computed too. confidence > 0: a row stops proposing after
 // a draft its head gave less than that probability (greedy: the softmax maximum), and drafting ends
 // once every row stopped (`speculative.sample_loop`'s early stops). guidance > 0: rows come in
 // (cond, null) pairs of one sequence each, whose logits are mixed as `sampling.cfg_mix` mixes them,
@@ -259,7 +259,8 @@ torch::Tensor filtered_probs(const torch::Tensor& logits, double temperature, in
 // sequence's proposed count (seqs,) (empty without confidence), steps <= gamma; race is (gamma, seqs, V).
 std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                  int64_t last, const torch::Tensor& start, int64_t gamma, double temperature,
-                                 int64_t top_k, double top_p, double guidance, double confidence, const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 int64_t top_k, double top_p, double guidance, double confidence,
+                                 const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
                                  const torch::Tensor& k_all, const torch::Tensor& v_all, const torch::Tensor& enc_keys,
                                  const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask) {
   TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat, "x0: float32 (rows >= 1, dim)");
@@ -269,13 +270,12 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
               "emb: contiguous float32 (tokens, dim)");
   TORCH_CHECK(gamma >= 1 && (race || temperature == 0.0) && temperature >= 0.0, "gamma >= 1; race unless greedy");
   TORCH_CHECK(top_k >= 0 && top_p >= 0.0 && top_p <= 1.0, "top_k >= 0 (0: no top-k), top_p in [0, 1] (0: no top-p)");
-  std::vector<int64_t> order;  // top-p: token ids by falling logit
   TORCH_CHECK(guidance >= 0.0 && (guidance == 0.0 || x0.size(0) % 2 == 0), "guidance >= 0; guided rows in (cond, null) pairs");
   const int64_t rows = x0.size(0), dim = x0.size(1), per = guidance > 0.0 ? 2 : 1, seqs = rows / per;
   const float scale = float(guidance);
-  std::vector<float> mixed;  // guided: one sequence's mixed logits
+  std::vector<float> mixed, kth_buf;  // scratch: one sequence's guided logits; `filtered_softmax`'s
+  std::vector<int64_t> order;
   const int64_t* sp = start.data_ptr<int64_t>();
-  std::vector<float> kth_buf;  // top-k: a copy of one row's logits for nth_element
   const int64_t first = *std::max_element(sp, sp + rows);
   auto exits = torch::empty({rows, gamma + 1, dim}, x0.options());
   auto drafts = torch::empty({seqs, gamma}, start.options());
