@@ -223,6 +223,29 @@ def test_prepared_weights_follow_parameter_changes():
             assert rel_err(logits, forward_logits(model, source, target)) < TOL[torch.float32]
 
 
+def test_prepared_weights_follow_norm_preserving_data_writes(monkeypatch):
+    """On the kernels the change check reads every byte (a fingerprint), so a write through .data that
+    keeps every norm (two rows of a weight swapped) also rebuilds the prepared weights."""
+    import tts_specdec.kernels as kernels
+
+    monkeypatch.setattr(kernels, "ENABLED", True)
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    model = make_model(4, std=STD[torch.float32])
+    source, target = make_source(1, 5, seed=9), targets(1, seed=10)
+    fc = model.target_transformer.layers[0][2][1]
+    with torch.no_grad():
+        dec, enc, cache, x = setup(model, source, target)
+        prepared = dec._weights()
+        norms = torch._foreach_norm(list(model.parameters()))
+        fc.weight.data[[0, 1]] = fc.weight.data[[1, 0]].clone()
+        assert all(torch.equal(a, b) for a, b in zip(norms, torch._foreach_norm(list(model.parameters()))))
+        dec.begin()
+        assert dec._weights() is not prepared
+        logits = dec.target_logits(dec.run(x, 0, range(dec.depth), dec.encode(source), cache))
+        assert rel_err(logits, forward_logits(model, source, target)) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 def test_float32_rounding_is_upstreams_size(kernel, monkeypatch):
     """On badly conditioned std-0.5 models our float32 error (against the float64 forward) is rounding

@@ -282,3 +282,38 @@ def test_stack_rejects_bad_arguments():
         stack.run(**args(enc_keys=enc[:, :, :1]))
     with pytest.raises(RuntimeError, match="mask"):
         stack.run(**args(mask=torch.zeros(1, n, 3)))
+
+
+def test_fingerprint_sees_every_change():
+    """`Decoder.begin`'s change check: equal bytes give equal sums; one changed word (a last bit, a
+    word in the tail, a sign) or two swapped words (same lane, other lane) change them; a strided
+    tensor reads as its contiguous copy; off the CPU there is no fingerprint."""
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(n, generator=g) for n in (1, 7, 8, 9, 100, 4099)] + [torch.randint(0, 9, (5,), dtype=torch.uint8)]
+    ref = kernels.fingerprint(base)
+    assert len(ref) == 2 * len(base)
+    assert kernels.fingerprint([t.clone() for t in base]) == ref
+
+    def changed(i: int, edit) -> list[int]:
+        ts = [t.clone() for t in base]
+        edit(ts[i])
+        return kernels.fingerprint(ts)
+
+    def flip_last_bit(t: torch.Tensor, k: int) -> None:
+        t.view(torch.int32)[k] ^= 1
+
+    def swap(t: torch.Tensor, a: int, b: int) -> None:
+        t[[a, b]] = t[[b, a]]
+
+    edits = [
+        (5, lambda t: flip_last_bit(t, 0)), (5, lambda t: flip_last_bit(t, 4098)),  # first word, tail word
+        (2, lambda t: t.neg_()), (0, lambda t: t.mul_(2)), (6, lambda t: t.__setitem__(4, t[4] ^ 1)),
+        (5, lambda t: swap(t, 0, 8)), (5, lambda t: swap(t, 1, 2)), (4, lambda t: t.copy_(t.flip(0))),
+    ]
+    for i, edit in edits:
+        assert changed(i, edit) != ref
+    wide = torch.randn(6, 10, generator=g)
+    assert kernels.fingerprint([wide[:, ::2]]) == kernels.fingerprint([wide[:, ::2].contiguous()])
+    assert kernels.fingerprint([torch.empty(3, device="meta")]) is None

@@ -88,23 +88,26 @@ def check_gamma(gamma: object, exit_layer: int | None) -> int:
 def walk(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Parameter]]:
     """model.modules() and model.parameters(), each once and in torch's order, from one walk: a decode
     call needs both (eval mode, `Decoder.begin`), and torch's two walks take ~1.5 ms on the shipped
-    model (579 modules), this one ~0.6."""
+    model (579 modules), this one ~0.4 (bound methods and empty-dict skips: it runs on every call)."""
     modules: list[torch.nn.Module] = []
     params: list[torch.nn.Parameter] = []
     seen: set[int] = set()
     seen_params: set[int] = set()
     stack = [model]
+    pop, push, add_module, add_param = stack.pop, stack.extend, modules.append, params.append
     while stack:
-        m = stack.pop()
+        m = pop()
         if id(m) in seen:
             continue
         seen.add(id(m))
-        modules.append(m)
-        for p in m._parameters.values():
-            if p is not None and id(p) not in seen_params:
-                seen_params.add(id(p))
-                params.append(p)
-        stack.extend(reversed([c for c in m._modules.values() if c is not None]))  # pre-order, like torch
+        add_module(m)
+        if m._parameters:
+            for p in m._parameters.values():
+                if p is not None and id(p) not in seen_params:
+                    seen_params.add(id(p))
+                    add_param(p)
+        if m._modules:
+            push(reversed([c for c in m._modules.values() if c is not None]))  # pre-order, like torch
     return modules, params
 
 

@@ -35,7 +35,7 @@ from torch import Tensor
 PANEL = 16
 # read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
 ENABLED = os.environ.get("TTS_SPECDEC_KERNELS", "1") != "0"
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "accept.cpp", "layers.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "accept.cpp", "fingerprint.cpp", "layers.cpp")]
 _HEADER = Path(__file__).with_name("csrc") / "kernels.h"
 _module = None
 _failed: str | None = None
@@ -200,6 +200,15 @@ def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p:
     """softmax(logits / temperature) after top-k and top-p as `sampling.filter_logits` filters them, for
     logits (rows, V) float32 on the CPU, in one call (csrc/layers.cpp, shared with the draft phase)."""
     return _module.filtered_probs(logits, temperature, top_k or 0, top_p or 0.0)
+
+
+def fingerprint(tensors: list[Tensor]) -> list[int] | None:
+    """Two 64-bit sums of each tensor's bytes (csrc/fingerprint.cpp: any one changed word changes the
+    first, moved words the second), flattened; None without the kernels or unless all are on the CPU."""
+    if not ENABLED or _load() is None:
+        return None
+    sums = _module.fingerprint(tensors)
+    return None if sums is None else sums.view(-1).tolist()
 
 
 def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:

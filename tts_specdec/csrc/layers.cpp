@@ -22,6 +22,7 @@ torch::Tensor cross_attention(const torch::Tensor& q, const torch::Tensor& keys,
                               const c10::optional<torch::Tensor>& mask);
 void token_slots(const torch::Tensor& pos, const torch::Tensor& slots, int64_t keys, int64_t positions,
                  std::vector<int64_t>& sp, std::vector<int64_t>& pp);  // attention.cpp, with the mask's check
+torch::Tensor fingerprint(const std::vector<torch::Tensor>& tensors);  // fingerprint.cpp
 tts::MaskView mask_view(const c10::optional<torch::Tensor>& mask, int64_t rows, int64_t n, int64_t keys);
 std::vector<torch::Tensor> speculative_accept(const torch::Tensor& p, const torch::Tensor& q, const torch::Tensor& drafts,
                                               const torch::Tensor& u, const torch::Tensor& race,
@@ -392,6 +393,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("filtered_probs", &filtered_probs, "softmax(logits / temperature) after top-k / top-p, row by row");
   m.def("draft", &draft, "the draft phase of a speculative sampling cycle: gamma tokens per row from the exit head");
   m.def("speculative_accept", &speculative_accept, "Leviathan et al.'s accept rule for one cycle of every row");
+  m.def("fingerprint", &fingerprint, "two 64-bit sums of each tensor's bytes (None unless all on the CPU)");
   m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
   py::class_<Stack>(m, "Stack")
       .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t>())
