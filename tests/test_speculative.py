@@ -96,6 +96,60 @@ def test_plain_first_token_frequencies_follow_softmax(eos_model):
     assert tv(torch.bincount(first, minlength=13), probs) < tv_bound(13, n)
 
 
+@pytest.mark.parametrize("cond_scale", [1.0, 3.0], ids=["unguided", "cfg3"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, None, None), (0.0, None, None),
+                                                     (1.0, 3, None), (1.0, None, 0.7)],
+                         ids=["t1", "t0.7", "greedy", "top3", "topp0.7"])
+def test_fused_plain_runs_equal_step_by_step(sources, monkeypatch, temperature, top_k, top_p, cond_scale):
+    """Plain sampling in runs of kernel steps (Decoder.sample_steps) returns what the step-by-step loop
+    returns from the same generator, and leaves the generator where the loop leaves it: the same
+    tokens, EOS mid-run and max_length mid-run included, the same counters."""
+    from tts_specdec import kernels, speculative
+    from tts_specdec.decoder import Decoder
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    monkeypatch.setattr(speculative, "PLAIN_STEPS", 6)  # runs end inside the 20-token budget
+    model = make_model(0) if cond_scale == 1 else make_model(5, cond_drop_prob=0.5)
+    runs = []
+    fused_sample_steps = Decoder.sample_steps
+
+    def counted(self, *args, **kwargs):
+        out = fused_sample_steps(self, *args, **kwargs)
+        runs.append(out is not None)
+        return out
+
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(Decoder, "sample_steps", counted if fused else (lambda self, *a, **k: None))
+        g = torch.Generator().manual_seed(11)
+        out = SpeculativeDecoder(model).sample(sources[5], temperature=temperature, top_k=top_k, top_p=top_p,
+                                               cond_scale=cond_scale, max_length=MAX_LEN, generator=g)
+        results.append((out, g.get_state()))
+    (fused_out, fused_state), (ref_out, ref_state) = results
+    assert runs and all(runs)
+    assert_same_tokens(fused_out.tokens, ref_out.tokens)
+    assert torch.equal(fused_state, ref_state)
+    assert (fused_out.stats.steps, fused_out.stats.layer_evals) == (ref_out.stats.steps, ref_out.stats.layer_evals)
+    if cond_scale == 1:
+        check_eos_mix(ref_out.tokens, MAX_LEN)
+    assert len({t for row in ref_out.tokens for t in row.tolist()}) > 3  # the outputs vary
+
+
+@pytest.mark.parametrize("gamma", [0, 4])
+def test_decoder_follows_weight_changes_between_calls(sources, gamma):
+    """A decoder reused after the model's weights changed (an optimizer step between evaluations) decodes
+    the new weights from the first step on, the fused draft and plain runs included."""
+    model = make_model(0)
+    dec = SpeculativeDecoder(model)
+    dec.sample(sources[5], temperature=0.0, max_length=MAX_LEN, gamma=gamma)
+    with torch.no_grad():
+        for p in model.target_transformer.layers[0].parameters():
+            p.mul_(1.5)
+    after = dec.sample(sources[5], temperature=0.0, max_length=MAX_LEN, gamma=gamma).tokens
+    assert_same_tokens(after, upstream_generate(model, sources[5], temperature=0.0, max_length=MAX_LEN))
+
+
 # ---- speculative ------------------------------------------------------------------------------
 
 

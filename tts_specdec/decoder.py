@@ -131,6 +131,7 @@ class Decoder:
         self._cross_kv: tuple[Tensor, Tensor] | None = None  # stacked to_kv weights, null K/V (`encode`)
         self._encoder: SourceEncoder | None = None  # the source transformer on prepared weights (`encode`)
         self._target_head: Tensor | Packed | None = None  # (dim, vocab), final norm folded in
+        self._target_kernel: kernels.Head | None = None  # the same for `kernels.decode_steps`
         self._state: tuple | None = None  # what the prepared weights were built from (`begin`)
 
     # ---- properties of the wrapped model -----------------------------------------------------
@@ -455,10 +456,36 @@ class Decoder:
 
     def target_logits(self, h: Tensor) -> Tensor:
         """Final norm + tied output projection on the last layer's hidden state."""
+        return _normed_mm(h.reshape(-1, h.shape[-1]), self._target_weight()).view(*h.shape[:-1], -1)
+
+    def _target_weight(self) -> Tensor | Packed:
         if self._target_head is None:
             final_norm = self.model.target_transformer.final_norm
             self._target_head = _packed_or(_t(self.model.to_logits[self.target_type].weight, final_norm))
-        return _normed_mm(h.reshape(-1, h.shape[-1]), self._target_head).view(*h.shape[:-1], -1)
+            self._target_kernel = None
+        return self._target_head
+
+    def sample_steps(
+        self, x: Tensor, pos: Tensor, steps: int, temperature: float, generator: torch.Generator | None,
+        enc: Encoded, cache: KVCache, top_k: int | None = None, top_p: float | None = None, cond_scale: float = 1.0,
+    ) -> tuple[Tensor, Tensor] | None:
+        """Up to `steps` steps of plain sampling in one kernel call, or None where it does not run (the
+        caller then steps with `run` and `target_logits`). x (rows, 1, dim): each row's pending input;
+        pos (seqs,): each sequence's slot (guided: (cond, null) row pairs mixed with `cond_scale`). Each
+        token is the target's argmax (temperature 0) or drawn as `speculative.sample_loop` draws it step by
+        step (the same filters, the same random numbers from `generator`); the steps end early after one in which
+        some sequence picked EOS. Returns the tokens (seqs, steps taken) and the next input (rows, 1, dim)."""
+        self._weights()  # prepared (and the layout chosen) before the check: begin() may have dropped them
+        if not self._fused_attention:
+            return None
+        w = self._target_weight()
+        if not isinstance(w, Packed):
+            return None
+        if self._target_kernel is None:
+            self._target_kernel = kernels.Head([], w)
+        out = self._steps(x, pos, range(self.depth), self._target_kernel, steps, temperature, generator, enc, cache,
+                          top_k=top_k, top_p=top_p, cond_scale=cond_scale, eos=self.eos_id)
+        return out[2], out[4][:, None]
 
     def draft(
         self, x: Tensor, pos: Tensor, gamma: int, temperature: float, generator: torch.Generator | None,
@@ -476,28 +503,34 @@ class Decoder:
         Returns the exit states of the pending input and the drafts (rows, steps + 1, dim), the draft
         distributions (seqs, steps, V) (None when greedy), the drafts (seqs, steps) and each sequence's
         proposed count (None without confidence)."""
+        self._weights()  # prepared (and the layout chosen) before the check: begin() may have dropped them
         if not self._fused_attention:
             return None
         head = self._draft_head()
         if head.kernel is None:
             return None
-        rows, trunk = x.shape[0], range(self.exit_layer)
-        seqs = pos.shape[0]  # guided: rows come in (cond, null) pairs, one per sequence
-        end = int(pos.max()) + gamma + 1
+        exits, q, drafts, limit, _ = self._steps(
+            x, pos, range(self.exit_layer), head.kernel, gamma, temperature, generator, enc, cache, top_k=top_k,
+            top_p=top_p, cond_scale=cond_scale, confidence=confidence, tail=True)
+        return exits, q, drafts, limit
+
+    def _steps(
+        self, x: Tensor, pos: Tensor, layers: range, head: kernels.Head, steps: int, temperature: float,
+        generator: torch.Generator | None, enc: Encoded, cache: KVCache, **options,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None, Tensor]:
+        """`kernels.decode_steps` from each row's pending input x (rows, 1, dim) at pos (seqs,)."""
+        end = int(pos.max()) + steps + 1
         self._rope_to(end, cache)
-        race = None
-        if temperature > 0:
-            race = torch.empty(gamma, seqs, head.vocab_size, dtype=x.dtype, device=x.device)
-            for d in range(gamma):  # one draw per step, in the order the step-by-step loop draws them
-                race[d].exponential_(generator=generator)
         k_all, v_all = cache.buffers(end)
         emb = self.model.token_emb[self.target_type].weight.detach()
-        cross_mask = enc.cross_mask
-        out = kernels.draft(self._stack, head.kernel, emb, x[:, 0], trunk, self.per_row(pos, enc.guided), gamma,
-                            temperature, confidence, race, *self._rope, k_all, v_all, enc.keys, enc.values, cross_mask,
-                            top_k, top_p, cond_scale if enc.guided else 0.0)
-        for i in trunk:
-            self.layer_evals[i] += rows * out[0].shape[1]
+        cond_scale = options.pop("cond_scale")
+        out = kernels.decode_steps(
+            self._stack, head, emb, x[:, 0], layers, self.per_row(pos, enc.guided), steps, temperature, generator,
+            *self._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask, guidance=cond_scale if enc.guided else 0.0,
+            **options)
+        taken = out[2].shape[1] + (1 if options.get("tail") else 0)  # tokens through the layers, per row
+        for i in layers:
+            self.layer_evals[i] += x.shape[0] * taken
         return out
 
     def draft_logits(self, h: Tensor) -> Tensor:

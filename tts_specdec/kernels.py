@@ -172,28 +172,32 @@ class Head:
         return self._head(h if h.stride(-1) == 1 else h.contiguous())
 
 
-def draft(
-    stack: Stack, head: Head, emb: Tensor, x0: Tensor, layers: range, start: Tensor, gamma: int, temperature: float,
-    confidence: float | None, race: Tensor | None, cos: Tensor, sin: Tensor, k_all: Tensor, v_all: Tensor,
-    enc_keys: Tensor, enc_values: Tensor, cross_mask: Tensor | None, top_k: int | None = None,
-    top_p: float | None = None, guidance: float = 0.0,
-) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-    """A speculative sampling cycle's draft phase in one call (csrc/layers.cpp): from x0 (rows, dim) at
-    slots start (rows,), gamma tokens per row through `layers` (the trunk, from layer 0) and `head`,
-    greedy (race None) or drawn from softmax(logits / temperature), top_k- and top_p-filtered as
-    `sampling.filter_logits` filters, by the race of Exp(1) draws, each embedded from emb as the next
-    input. confidence: a row stops proposing after a draft its head gave less than that probability,
-    and drafting ends when every row stopped. guidance > 0: rows
-    are (cond, null) pairs, one sequence each, their logits mixed as `sampling.cfg_mix` with that scale.
-    Returns the trunk's output at every position (rows, steps + 1, dim), the draft distributions (seqs,
-    steps, V) or None when greedy, the drafts (seqs, steps) and, with confidence, each sequence's
-    proposed count (seqs,); race is (gamma, seqs, V)."""
+def decode_steps(
+    stack: Stack, head: Head, emb: Tensor, x0: Tensor, layers: range, start: Tensor, steps: int, temperature: float,
+    generator: torch.Generator | None, cos: Tensor, sin: Tensor, k_all: Tensor, v_all: Tensor, enc_keys: Tensor,
+    enc_values: Tensor, cross_mask: Tensor | None, *, top_k: int | None = None, top_p: float | None = None,
+    guidance: float = 0.0, confidence: float | None = None, eos: int | None = None, tail: bool = False,
+) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None, Tensor]:
+    """Up to `steps` decoding steps per row in one call (csrc/layers.cpp): from x0 (rows, dim) at slots
+    start (rows,), each step runs `layers` (from layer 0) and `head`, picks a token (greedy when
+    temperature is 0, else drawn from softmax(logits / temperature), top_k- and top_p-filtered as
+    `sampling.filter_logits` filters, by an exponential race drawn from `generator` as `sampling.draw`
+    draws it: the same numbers in the same order as the step-by-step loop) and embeds it from emb as the
+    next input. The draft phase of a speculative cycle (the trunk and exit head, tail=True: the last
+    token's trunk pass too; confidence: a row stops proposing after a token its head gave less than that
+    probability, the steps end when every row stopped) or a run of plain sampling (every layer and the
+    target head; the steps end after one in which some row picked eos). guidance > 0: rows are (cond,
+    null) pairs, one sequence each, their logits mixed as `sampling.cfg_mix` with that scale.
+    Returns the layers' output at every position (rows, steps + 1, dim) with tail (else None), the
+    distributions (seqs, steps, V) (None when greedy), the tokens (seqs, steps), with confidence each
+    sequence's proposed count (seqs,), and the next input (rows, dim)."""
     if layers.start != 0:
-        raise ValueError("the draft trunk starts at layer 0")
-    exits, q, drafts, limit = _module.draft(stack._stack, head._head, emb, x0, layers.stop, start, gamma, temperature,
-                                            top_k or 0, top_p or 0.0, guidance, confidence or 0.0, race, cos, sin,
-                                            k_all, v_all, enc_keys, enc_values, cross_mask)
-    return exits, (q if race is not None else None), drafts, (limit if confidence else None)
+        raise ValueError("decode steps start at layer 0")
+    exits, q, tokens, limit, x = _module.decode_steps(
+        stack._stack, head._head, emb, x0, layers.stop, start, steps, temperature, top_k or 0, top_p or 0.0, guidance,
+        confidence or 0.0, -1 if eos is None else eos, tail, generator, cos, sin, k_all, v_all, enc_keys, enc_values,
+        cross_mask)
+    return (exits if tail else None), (q if temperature > 0 else None), tokens, (limit if confidence else None), x
 
 
 def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:

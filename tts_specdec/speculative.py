@@ -7,7 +7,9 @@ Per cycle, every row at its own length:
   commit  append accepted tokens + correction/bonus, crop each row's cache, drop rows that ended
 Layers 1..E are shared: their K/V, written by the draft, serve the target too, so no token passes
 them twice (rejected drafts are the only wasted work). On the CPU kernels the whole draft phase is one
-call (`Decoder.draft`), early draft stops, top-k/top-p and guidance included.
+call (`Decoder.draft`), early draft stops, top-k/top-p and guidance included, and plain sampling
+(gamma = 0) runs up to PLAIN_STEPS steps per call (`Decoder.sample_steps`), each drawn as the step-by-step
+loop draws it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from torch import Tensor
 from .decoder import Decoder
 from .results import DecodeStats
 from .sampling import Acceptance, SamplingConfig, cfg_mix, draw, greedy_accept, probabilities, speculative_accept
+
+
+# plain sampling steps per kernel call: the call's fixed cost (~20 us) spread over them; a run ends early
+# at EOS, so longer runs waste nothing
+PLAIN_STEPS = 32
 
 
 @dataclass
@@ -62,44 +69,53 @@ def sample_loop(
     logits_of = lambda h, head: cfg_mix(head(h), cond_scale) if guided else head(h)  # noqa: E731
 
     while rows.index:
-        cache.grow(max(rows.pos) + gamma + 2)
+        # plain sampling runs PLAIN_STEPS steps per kernel call (rows advance together: same length)
+        steps = gamma or min(PLAIN_STEPS, max_length - len(out[rows.index[0]]))
+        cache.grow(max(rows.pos) + steps + 2)
         pos_t = torch.tensor(rows.pos, device=device)
-        start = dec.start_of(pos_t, guided)
-        # draft: gamma tokens from the exit head, keeping every exit state for the target
         t0 = time.perf_counter()
-        # limit: per-row draft counts, only when rows may stop early
-        x, q, drafts, limit = rows.x, None, None, None
-        if gamma:  # the whole draft phase in one kernel call, else step by step
-            fused = dec.draft(rows.x, pos_t, gamma, cfg.temperature, generator, enc, cache, draft_confidence, cfg.top_k,
-                              cfg.top_p, cond_scale)
-            x, q, drafts, limit = fused if fused is not None else _draft_steps(
-                dec, rows.x, start, pos_t, gamma, trunk, enc, cache, cfg, generator, logits_of, guided, draft_confidence)
-        t1 = time.perf_counter()
-        # verify: the layers above the exit on all gamma + 1 positions at once
-        target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)
-        # accept: rows keep different numbers of drafts
-        acc = _accept(target_logits, drafts, q, cfg, generator, limit)
-        t2 = time.perf_counter()
+        run = None if gamma else dec.sample_steps(rows.x, pos_t, steps, cfg.temperature, generator, enc, cache,
+                                                  cfg.top_k, cfg.top_p, cond_scale)
+        if run is not None:
+            tokens, rows.x = run
+            new = tokens.tolist()
+            _count(stats, [0] * len(new), None, 0, gamma, 0.0, time.perf_counter() - t0, passes=tokens.shape[1])
+        else:
+            start = dec.start_of(pos_t, guided)
+            # draft: gamma tokens from the exit head, keeping every exit state for the target
+            # limit: per-row draft counts, only when rows may stop early
+            x, q, drafts, limit = rows.x, None, None, None
+            if gamma:  # the whole draft phase in one kernel call, else step by step
+                fused = dec.draft(rows.x, pos_t, gamma, cfg.temperature, generator, enc, cache, draft_confidence,
+                                  cfg.top_k, cfg.top_p, cond_scale)
+                x, q, drafts, limit = fused if fused is not None else _draft_steps(
+                    dec, rows.x, start, pos_t, gamma, trunk, enc, cache, cfg, generator, logits_of, guided,
+                    draft_confidence)
+            t1 = time.perf_counter()
+            # verify: the layers above the exit on all gamma + 1 positions at once
+            target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)
+            # accept: rows keep different numbers of drafts
+            acc = _accept(target_logits, drafts, q, cfg, generator, limit)
+            t2 = time.perf_counter()
+            accepted, next_token = acc.accepted.tolist(), acc.next_token.tolist()
+            drafted = drafts.tolist() if drafts is not None else [[] for _ in accepted]
+            proposed = None  # drafts each row proposed this cycle
+            if drafts is not None:
+                proposed = limit.tolist() if limit is not None else [drafts.shape[1]] * len(accepted)
+            _count(stats, accepted, proposed, len(drafted[0]), gamma, t1 - t0, t2 - t1)
+            new = [d[:k] + [t] for d, k, t in zip(drafted, accepted, next_token)]
+            rows.x = dec.embed(acc.next_token[:, None], guided)
         # commit: accepted drafts, then the correction/bonus token; a row ends at EOS or max_length
-        accepted, next_token = acc.accepted.tolist(), acc.next_token.tolist()
-        steps = 0 if drafts is None else drafts.shape[1]
-        drafted = drafts.tolist() if steps else [[] for _ in accepted]
-        proposed = None  # drafts each row proposed this cycle
-        if steps:
-            proposed = limit.tolist() if limit is not None else [steps] * len(accepted)
-        _count(stats, accepted, proposed, steps, gamma, t1 - t0, t2 - t1)
         keep = []
-        for r, (i, k) in enumerate(zip(rows.index, accepted)):
-            tokens = drafted[r][:k] + [next_token[r]]
+        for r, (i, tokens) in enumerate(zip(rows.index, new)):
+            rows.pos[r] += len(tokens)
             if dec.eos_id is not None and dec.eos_id in tokens:
                 tokens, ended = tokens[: tokens.index(dec.eos_id)], True
             else:
                 ended = len(out[i]) + len(tokens) >= max_length
             out[i].extend(tokens[: max_length - len(out[i])])
-            rows.pos[r] += k + 1
             if not ended:
                 keep.append(r)
-        rows.x = dec.embed(acc.next_token[:, None], guided)
         cache.crop(dec.per_row(torch.tensor(rows.pos, device=device), guided))
         if len(keep) < len(rows.index):
             keep_t = torch.tensor(keep, dtype=torch.long, device=device)
@@ -162,11 +178,12 @@ def _accept(
 
 def _count(
     stats: DecodeStats, accepted: list[int], limit: list[int] | None, draft_steps: int, gamma: int,
-    draft_s: float, verify_s: float,
+    draft_s: float, verify_s: float, passes: int = 1,
 ) -> None:
-    """One cycle's counters; `limit`: drafts each row proposed (None without drafts)."""
-    stats.steps += 1
-    stats.target_passes += 1
+    """One cycle's counters; `limit`: drafts each row proposed (None without drafts); `passes`: target
+    passes (plain steps) the cycle made."""
+    stats.steps += passes
+    stats.target_passes += passes
     stats.draft_passes += draft_steps
     stats.draft_time += draft_s
     stats.verify_time += verify_s

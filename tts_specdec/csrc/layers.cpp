@@ -246,42 +246,47 @@ torch::Tensor filtered_probs(const torch::Tensor& logits, double temperature, in
   return probs;
 }
 
-// The draft phase of a speculative sampling cycle in one call: `gamma` tokens per row from the
-// early-exit head, each row at its own slots. x0 (rows, dim): each row's pending input, at slot start[r];
-// draft d runs layers [0, last) at slot start[r] + d, takes the head's logits, picks
-//   greedy (race none): argmax;  sampling: argmax_i q_i / race[d, r, i], q = softmax(logits / temperature)
-// filtered by top_k / top_p first (`filtered_softmax`) (an exponential race: token i with probability
-// q_i, as `sampling.draw`), and embeds it (emb) as the next input; the last token's exit state is computed too. confidence > 0: a row stops proposing after
-// a draft its head gave less than that probability (greedy: the softmax maximum), and drafting ends
-// once every row stopped (`speculative.sample_loop`'s early stops). guidance > 0: rows come in
-// (cond, null) pairs of one sequence each, whose logits are mixed as `sampling.cfg_mix` mixes them,
-// null + (cond - null) * guidance, before the draw; the sequence's token feeds both rows. Returns exits
-// (rows, steps + 1, dim), q (seqs, steps, V) (empty when greedy), the drafts (seqs, steps) and each
-// sequence's proposed count (seqs,) (empty without confidence), steps <= gamma; race is (gamma, seqs, V).
-std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
-                                 int64_t last, const torch::Tensor& start, int64_t gamma, double temperature,
-                                 int64_t top_k, double top_p, double guidance, double confidence,
-                                 const c10::optional<torch::Tensor>& race, const torch::Tensor& cos, const torch::Tensor& sin,
-                                 const torch::Tensor& k_all, const torch::Tensor& v_all, const torch::Tensor& enc_keys,
-                                 const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask) {
+// `gamma` decoding steps for every row in one call, each row at its own slots: the draft phase of a
+// speculative sampling cycle (layers [0, E), the exit head, `tail`) or a run of plain sampling (every
+// layer, the target head, stopping at `eos`). x0 (rows, dim): each row's pending input, at slot start[r];
+// step d runs layers [0, last) at slot start[r] + d, takes the head's logits, picks
+//   greedy (temperature 0): argmax;  sampling: argmax_i q_i / E_i, q = softmax(logits / temperature)
+// filtered by top_k / top_p first (`filtered_softmax`), E_i ~ Exp(1) drawn from `gen` as one (seqs, V)
+// tensor per step, as `sampling.draw` draws them (so the tokens and the generator's state are those of
+// the step-by-step loop), and embeds it (emb) as the next input. tail: the last token is run through
+// the layers too (its exit state is the draft's last). confidence > 0: a row stops proposing after a
+// token its head gave less than that probability (greedy: the softmax maximum), and the steps end once
+// every row stopped (`speculative.sample_loop`'s early draft stops). eos >= 0: the steps end after one
+// in which some row picked eos (the caller drops that row). guidance > 0: rows come in (cond, null)
+// pairs of one sequence each, whose logits are mixed as `sampling.cfg_mix` mixes them,
+// null + (cond - null) * guidance, before the pick; the sequence's token feeds both rows. Returns the
+// layers' outputs (rows, steps + 1, dim) (empty without tail), q (seqs, steps, V) (empty when greedy),
+// the tokens (seqs, steps), each sequence's proposed count (seqs,) (empty without confidence) and the
+// next input (rows, dim), the embedding of the last token; steps <= gamma.
+std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
+                                        int64_t last, const torch::Tensor& start, int64_t gamma, double temperature,
+                                        int64_t top_k, double top_p, double guidance, double confidence, int64_t eos, bool tail,
+                                        c10::optional<at::Generator> gen, const torch::Tensor& cos, const torch::Tensor& sin,
+                                        const torch::Tensor& k_all, const torch::Tensor& v_all, const torch::Tensor& enc_keys,
+                                        const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask) {
   TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat, "x0: float32 (rows >= 1, dim)");
   TORCH_CHECK(start.dim() == 1 && start.size(0) == x0.size(0) && start.scalar_type() == at::kLong && start.is_contiguous(),
               "start: contiguous int64 (rows,)");
   TORCH_CHECK(emb.dim() == 2 && emb.size(1) == x0.size(1) && emb.is_contiguous() && emb.scalar_type() == at::kFloat,
               "emb: contiguous float32 (tokens, dim)");
-  TORCH_CHECK(gamma >= 1 && (race || temperature == 0.0) && temperature >= 0.0, "gamma >= 1; race unless greedy");
+  TORCH_CHECK(gamma >= 1 && temperature >= 0.0, "gamma >= 1, temperature >= 0");
   TORCH_CHECK(top_k >= 0 && top_p >= 0.0 && top_p <= 1.0, "top_k >= 0 (0: no top-k), top_p in [0, 1] (0: no top-p)");
   TORCH_CHECK(guidance >= 0.0 && (guidance == 0.0 || x0.size(0) % 2 == 0), "guidance >= 0; guided rows in (cond, null) pairs");
   const int64_t rows = x0.size(0), dim = x0.size(1), per = guidance > 0.0 ? 2 : 1, seqs = rows / per;
+  const bool sampling = temperature > 0.0;
   const float scale = float(guidance);
   std::vector<float> mixed, kth_buf;  // scratch: one sequence's guided logits; `filtered_softmax`'s
   std::vector<int64_t> order;
   const int64_t* sp = start.data_ptr<int64_t>();
   const int64_t first = *std::max_element(sp, sp + rows);
-  auto exits = torch::empty({rows, gamma + 1, dim}, x0.options());
-  auto drafts = torch::empty({seqs, gamma}, start.options());
+  torch::Tensor exits = tail ? torch::empty({rows, gamma + 1, dim}, x0.options()) : torch::empty({0}, x0.options());
+  auto tokens = torch::empty({seqs, gamma}, start.options());
   torch::Tensor q;
-  const float* ep = nullptr;
   auto x = x0.contiguous();
   auto slots = start.view({rows, 1}).clone();
   const c10::optional<torch::Tensor> none;
@@ -291,19 +296,17 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
   for (int64_t d = 0;; ++d) {
     if (d) slots.add_(1);
     auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, first + d + 1, enc_keys, enc_values, cross_mask);
-    exits.select(1, d).copy_(h);
-    if (d == steps) break;
+    if (tail) exits.select(1, d).copy_(h);
+    if (d == steps) break;  // with tail: the last token's pass
     auto logits = head(h);  // (rows, V), a view of whole-panel rows
     const int64_t V = logits.size(1), ld = logits.stride(0);
-    if (d == 0 && race) {
-      TORCH_CHECK(race->dim() == 3 && race->size(0) == gamma && race->size(1) == seqs && race->size(2) == V &&
-                  race->is_contiguous() && race->scalar_type() == at::kFloat, "race: contiguous float32 (gamma, seqs, V)");
-      ep = race->data_ptr<float>();
-      q = torch::empty({seqs, gamma, V}, x0.options());
-    }
     TORCH_CHECK(V <= emb.size(0), "head wider than the embedding table");
+    if (d == 0 && sampling) q = torch::empty({seqs, gamma, V}, x0.options());
+    torch::Tensor race;
+    if (sampling) race = torch::empty({seqs, V}, x0.options()).exponential_(1.0, gen);
     const float* lp = logits.data_ptr<float>();
     x = torch::empty({rows, dim}, x0.options());
+    bool ended = false;
     for (int64_t r = 0; r < seqs; ++r) {
       const float* l = lp + r * per * ld;
       if (per == 2) {  // float ops in cfg_mix's order (no contraction: -ffp-contract=off)
@@ -313,8 +316,8 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
         l = mixed.data();
       }
       int64_t best = 0;
-      float chosen = 1.0f;  // the draft's probability of its token, for the early stop
-      if (!ep) {
+      float chosen = 1.0f;  // the head's probability of its token, for the early stop
+      if (!sampling) {
         for (int64_t i = 1; i < V; ++i)
           if (l[i] > l[best]) best = i;
         if (confidence > 0) {  // softmax maximum = 1 / sum_i exp(l_i - max)
@@ -325,26 +328,28 @@ std::vector<torch::Tensor> draft(const Stack& stack, const Head& head, const tor
       } else {
         float* qr = q.data_ptr<float>() + (r * gamma + d) * V;
         filtered_softmax(l, V, float(temperature), top_k, top_p, qr, kth_buf, order);
-        const float* e = ep + (d * seqs + r) * V;
+        const float* e = race.data_ptr<float>() + r * V;
         float best_score = -1.0f;
         for (int64_t i = 0; i < V; ++i) {
-          const float score = qr[i] / std::max(e[i], std::numeric_limits<float>::min());
+          const float score = qr[i] / std::max(e[i], std::numeric_limits<float>::min());  // as draw's clamp
           if (score > best_score) best_score = score, best = i;
         }
         chosen = qr[best];
       }
       if (confidence > 0 && limits[r] == gamma && d < gamma && chosen < confidence) {
-        limits[r] = d + 1;  // this row proposes drafts 0..d
+        limits[r] = d + 1;  // this row proposes tokens 0..d
         --drafting;
       }
-      drafts.data_ptr<int64_t>()[r * gamma + d] = best;
+      ended |= best == eos;
+      tokens.data_ptr<int64_t>()[r * gamma + d] = best;
       for (int64_t k = r * per; k < (r + 1) * per; ++k)
         std::copy(emb.data_ptr<float>() + best * dim, emb.data_ptr<float>() + (best + 1) * dim, x.data_ptr<float>() + k * dim);
     }
-    if (drafting == 0) steps = d + 1;  // every row stopped: the next pass is the last exit state
+    if (drafting == 0 || ended) steps = d + 1;
+    if (!tail && d + 1 == steps) break;
   }
-  return {exits.narrow(1, 0, steps + 1), q.defined() ? q.narrow(1, 0, steps) : torch::empty({0}, x0.options()),
-          drafts.narrow(1, 0, steps), confidence > 0 ? limit : torch::empty({0}, start.options())};
+  return {tail ? exits.narrow(1, 0, steps + 1) : exits, q.defined() ? q.narrow(1, 0, steps) : torch::empty({0}, x0.options()),
+          tokens.narrow(1, 0, steps), confidence > 0 ? limit : torch::empty({0}, start.options()), x};
 }
 
 // In place: rows r of t (layers, rows, heads, capacity, d) become rows index[r], slots below `high`
@@ -391,7 +396,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<torch::Tensor>, torch::Tensor, int64_t>())
       .def("__call__", &Head::operator(), "logits of hidden states (tokens, dim)");
   m.def("filtered_probs", &filtered_probs, "softmax(logits / temperature) after top-k / top-p, row by row");
-  m.def("draft", &draft, "the draft phase of a speculative sampling cycle: gamma tokens per row from the exit head");
+  m.def("decode_steps", &decode_steps, "gamma decoding steps per row in one call: a draft phase, or a run of plain sampling");
   m.def("speculative_accept", &speculative_accept, "Leviathan et al.'s accept rule for one cycle of every row");
   m.def("fingerprint", &fingerprint, "two 64-bit sums of each tensor's bytes (None unless all on the CPU)");
   m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
