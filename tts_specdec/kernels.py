@@ -8,9 +8,11 @@ dispatch: torch's attention costs ~20 us per call at 1 query, and rotary, cache 
 copies add ~10 small kernels; `csrc/attention.cpp` does each attention in one call, and
 `csrc/layers.cpp` (`Stack`) runs a range of layers without returning to Python, on weights checked once
 and one workspace per call (shipped model, 1 thread: a decoder layer for one token went from ~245 us to
-~21 us). `Head` is an output head in one call; `csrc/accept.cpp` is the speculative accept rule for
-all rows of a cycle (~20 small torch ops, ~150 us, in one ~15 us call). The raw-pointer cores are
-declared in `csrc/kernels.h`.
+~21 us). `Head` is an output head in one call; `decode_steps` runs several decoding steps (layers, head,
+pick, next embedding) in one call: a speculative cycle's draft phase, or a run of plain sampling
+(~200 us of Python per step before); `csrc/accept.cpp` is the speculative accept rule for all rows of a
+cycle (~20 small torch ops, ~150 us, in one ~15 us call); `csrc/fingerprint.cpp` checks parameters for
+changes. The raw-pointer cores are declared in `csrc/kernels.h`.
 
 It is built with torch's C++ extension loader on first use (about 40 s with g++ and ninja, cached
 under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and used only for float32 on x86 CPUs with
