@@ -81,31 +81,10 @@ def sample_loop(
             new = tokens.tolist()
             _count(stats, [0] * len(new), None, 0, gamma, 0.0, time.perf_counter() - t0, passes=tokens.shape[1])
         else:
-            start = dec.start_of(pos_t, guided)
-            # draft: gamma tokens from the exit head, keeping every exit state for the target
-            # limit: per-row draft counts, only when rows may stop early
-            x, q, drafts, limit = rows.x, None, None, None
-            if gamma:  # the whole draft phase in one kernel call, else step by step
-                fused = dec.draft(rows.x, pos_t, gamma, cfg.temperature, generator, enc, cache, draft_confidence,
-                                  cfg.top_k, cfg.top_p, cond_scale)
-                x, q, drafts, limit = fused if fused is not None else _draft_steps(
-                    dec, rows.x, start, pos_t, gamma, trunk, enc, cache, cfg, generator, logits_of, guided,
-                    draft_confidence)
-            t1 = time.perf_counter()
-            # verify: the layers above the exit on all gamma + 1 positions at once
-            target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)
-            # accept: rows keep different numbers of drafts
-            acc = _accept(target_logits, drafts, q, cfg, generator, limit)
-            t2 = time.perf_counter()
-            accepted, next_token = acc.accepted.tolist(), acc.next_token.tolist()
-            drafted = drafts.tolist() if drafts is not None else [[] for _ in accepted]
-            proposed = None  # drafts each row proposed this cycle
-            if drafts is not None:
-                proposed = limit.tolist() if limit is not None else [drafts.shape[1]] * len(accepted)
-            _count(stats, accepted, proposed, len(drafted[0]), gamma, t1 - t0, t2 - t1)
-            new = [d[:k] + [t] for d, k, t in zip(drafted, accepted, next_token)]
-            rows.x = dec.embed(acc.next_token[:, None], guided)
-        # commit: accepted drafts, then the correction/bonus token; a row ends at EOS or max_length
+            new, rows.x = _cycle(dec, rows.x, pos_t, gamma, trunk, upper, enc, cache, cfg, generator, cond_scale,
+                                 logits_of, guided, draft_confidence, stats)
+        # commit: each row's new tokens (a plain run, or accepted drafts and the correction/bonus token);
+        # a row ends at EOS or max_length
         keep = []
         for r, (i, tokens) in enumerate(zip(rows.index, new)):
             rows.pos[r] += len(tokens)
@@ -125,6 +104,40 @@ def sample_loop(
             rows = _Rows([rows.index[r] for r in keep], [rows.pos[r] for r in keep], rows.x[cache_rows])
     stats.generated_tokens += sum(len(o) for o in out)
     return [torch.tensor(o, dtype=torch.long, device=device) for o in out]
+
+
+def _cycle(
+    dec: Decoder, x0: Tensor, pos_t: Tensor, gamma: int, trunk: range, upper: range, enc, cache, cfg: SamplingConfig,
+    generator: torch.Generator | None, cond_scale: float, logits_of, guided: bool, draft_confidence: float | None,
+    stats: DecodeStats,
+) -> tuple[list[list[int]], Tensor]:
+    """One draft -> verify -> accept cycle (gamma = 0: one plain step) from each row's pending input x0
+    (rows, 1, dim) at pos_t; returns each sequence's new tokens (accepted drafts, then the correction or
+    bonus token) and the next pending input."""
+    t0 = time.perf_counter()
+    start = dec.start_of(pos_t, guided)
+    # draft: gamma tokens from the exit head, keeping every exit state for the target
+    # limit: per-row draft counts, only when rows may stop early
+    x, q, drafts, limit = x0, None, None, None
+    if gamma:  # the whole draft phase in one kernel call, else step by step
+        fused = dec.draft(x0, pos_t, gamma, cfg.temperature, generator, enc, cache, draft_confidence, cfg.top_k,
+                          cfg.top_p, cond_scale)
+        x, q, drafts, limit = fused if fused is not None else _draft_steps(
+            dec, x0, start, pos_t, gamma, trunk, enc, cache, cfg, generator, logits_of, guided, draft_confidence)
+    t1 = time.perf_counter()
+    # verify: the layers above the exit on all gamma + 1 positions at once
+    target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)
+    # accept: rows keep different numbers of drafts
+    acc = _accept(target_logits, drafts, q, cfg, generator, limit)
+    t2 = time.perf_counter()
+    accepted, next_token = acc.accepted.tolist(), acc.next_token.tolist()
+    drafted = drafts.tolist() if drafts is not None else [[] for _ in accepted]
+    proposed = None  # drafts each row proposed this cycle
+    if drafts is not None:
+        proposed = limit.tolist() if limit is not None else [drafts.shape[1]] * len(accepted)
+    _count(stats, accepted, proposed, len(drafted[0]), gamma, t1 - t0, t2 - t1)
+    new = [d[:k] + [t] for d, k, t in zip(drafted, accepted, next_token)]
+    return new, dec.embed(acc.next_token[:, None], guided)
 
 
 def _draft_steps(
