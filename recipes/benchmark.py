@@ -17,7 +17,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -143,7 +143,7 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
     ]
     if has_exit:
         modes.append(Mode(f"ours speculative sample (gamma={g})", ours("sample", gamma=g, **sk), "ours sample"))
-        modes.append(Mode(f"ours greedy", ours("sample", **gk)))
+        modes.append(Mode("ours greedy", ours("sample", **gk)))
         modes.append(Mode(f"ours speculative greedy (gamma={g})", ours("sample", gamma=g, **gk), "ours greedy"))
         if args.draft_confidence:
             gm, conf = args.max_gamma, args.draft_confidence

@@ -9,7 +9,6 @@ distribution, and minimise KL(p || q) over the exit head's parameters only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ._upstream import TextToSemantic
