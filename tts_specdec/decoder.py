@@ -472,9 +472,10 @@ class Decoder:
         """Up to `steps` steps of plain sampling in one kernel call, or None where it does not run (the
         caller then steps with `run` and `target_logits`). x (rows, 1, dim): each row's pending input;
         pos (seqs,): each sequence's slot (guided: (cond, null) row pairs mixed with `cond_scale`). Each
-        token is the target's argmax (temperature 0) or drawn as `speculative.sample_loop` draws it step by
-        step (the same filters, the same random numbers from `generator`); the steps end early after one in which
-        some sequence picked EOS. Returns the tokens (seqs, steps taken) and the next input (rows, 1, dim)."""
+        token is the target's argmax (temperature 0) or drawn as `speculative.sample_loop` draws it step
+        by step (the same filters, the same random numbers from `generator`); the steps end early after
+        one in which some sequence picked EOS. Returns the tokens (seqs, steps taken) and the next input
+        (rows, 1, dim)."""
         self._weights()  # prepared (and the layout chosen) before the check: begin() may have dropped them
         if not self._fused_attention:
             return None
@@ -516,19 +517,19 @@ class Decoder:
 
     def _steps(
         self, x: Tensor, pos: Tensor, layers: range, head: kernels.Head, steps: int, temperature: float,
-        generator: torch.Generator | None, enc: Encoded, cache: KVCache, **options,
+        generator: torch.Generator | None, enc: Encoded, cache: KVCache, *, top_k: int | None, top_p: float | None,
+        cond_scale: float, confidence: float | None = None, eos: int | None = None, tail: bool = False,
     ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None, Tensor]:
         """`kernels.decode_steps` from each row's pending input x (rows, 1, dim) at pos (seqs,)."""
         end = int(pos.max()) + steps + 1
         self._rope_to(end, cache)
         k_all, v_all = cache.buffers(end)
         emb = self.model.token_emb[self.target_type].weight.detach()
-        cond_scale = options.pop("cond_scale")
         out = kernels.decode_steps(
             self._stack, head, emb, x[:, 0], layers, self.per_row(pos, enc.guided), steps, temperature, generator,
-            *self._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask, guidance=cond_scale if enc.guided else 0.0,
-            **options)
-        taken = out[2].shape[1] + (1 if options.get("tail") else 0)  # tokens through the layers, per row
+            *self._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask, top_k=top_k, top_p=top_p,
+            guidance=cond_scale if enc.guided else 0.0, confidence=confidence, eos=eos, tail=tail)
+        taken = out[2].shape[1] + int(tail)  # tokens through the layers, per row
         for i in layers:
             self.layer_evals[i] += x.shape[0] * taken
         return out
