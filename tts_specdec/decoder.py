@@ -24,7 +24,7 @@ from .cache import KVCache
 from .encoder import SourceEncoder
 from . import kernels
 from .kernels import Packed
-from .weights import _FeedForward, _normed_mm, _packed_or, _split, _t, _unit, rope_tables, rotate
+from .weights import _FeedForward, _normed_mm, _packed_or, _residual, _split, _t, _unit, rope_tables, rotate
 
 
 @dataclass
@@ -374,7 +374,7 @@ class Decoder:
             if kvh != h_:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
                 keys, values = keys.repeat(1, h_ // kvh, 1, 1), values.repeat(1, h_ // kvh, 1, 1)
             a = self._unpad(F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask), keep)
-            x = self._residual(x, a, w.attn_out_t)
+            x = _residual(x, a, w.attn_out_t)
             # cross-attention over the precomputed source K/V
             if isinstance(w.cross_q_t, Tensor) and w.cross_q_t.dim() == 3:  # per head: (heads, tokens, d)
                 q = torch.bmm(_unit(x).expand(h_, -1, -1), w.cross_q_t)
@@ -387,7 +387,7 @@ class Decoder:
                     q = q_pad.index_copy_(0, keep, q)
                 q = q.view(rows, n, -1, d).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask)
-            x = self._residual(x, self._unpad(a, keep), w.cross_out_t)
+            x = _residual(x, self._unpad(a, keep), w.cross_out_t)
             # feed-forward: RMSNorm, Linear, GEGLU, Linear
             x = w.ff.residual(x)
             self.layer_evals[i] += tokens
@@ -426,19 +426,6 @@ class Decoder:
         for i in layers:
             self.layer_evals[i] += rows * n
         return x.view(rows, n, dim)
-
-    @staticmethod
-    def _residual(x: Tensor, a: Tensor, w: Tensor | Packed) -> Tensor:
-        """x + a @ w for w packed, (in, out), or its column blocks (blocks, in, out / blocks)."""
-        if isinstance(w, Packed):
-            return w(a, residual=x)
-        if w.dim() == 2:
-            return torch.addmm(x, a, w)
-        b = w.shape[0]
-        out = torch.bmm(a.expand(b, -1, -1), w)  # (blocks, tokens, out / blocks)
-        res = torch.empty_like(x, memory_format=torch.contiguous_format)
-        torch.add(x.reshape(x.shape[0], b, -1), out.transpose(0, 1), out=res.view(x.shape[0], b, -1))
-        return res
 
     @staticmethod
     def _packed_rope(cos: Tensor, sin: Tensor, rows: int, n: int, keep: Tensor) -> tuple[Tensor, Tensor]:

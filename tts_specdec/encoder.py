@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kernels import Packed
-from .weights import _FeedForward, _normed_mm, _packed_or, _t, _unit, rope_tables, rotate
+from .weights import _FeedForward, _normed_mm, _packed_or, _residual, _t, _unit, rope_tables, rotate
 
 
 @dataclass
@@ -66,6 +66,6 @@ class SourceEncoder:
             if kvh < h:  # query head i reads kv head i % kvh, as upstream's repeat
                 k, v = k.repeat(1, h // kvh, 1, 1), v.repeat(1, h // kvh, 1, 1)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(b * n, -1)
-            x = layer.out(a, residual=x) if isinstance(layer.out, Packed) else torch.addmm(x, a, layer.out)
+            x = _residual(x, a, layer.out)
             x = layer.ff.residual(x)
         return (_unit(x) * self.final_gain).view(b, n, dim)

@@ -79,7 +79,7 @@ def sample_loop(
         if run is not None:
             tokens, rows.x = run
             new = tokens.tolist()
-            _count(stats, [0] * len(new), None, 0, gamma, 0.0, time.perf_counter() - t0, passes=tokens.shape[1])
+            _count(stats, [], None, 0, gamma, 0.0, time.perf_counter() - t0, passes=tokens.shape[1])
         else:
             new, rows.x = _cycle(dec, rows.x, pos_t, gamma, trunk, upper, enc, cache, cfg, generator, cond_scale,
                                  logits_of, guided, draft_confidence, stats)

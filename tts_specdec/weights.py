@@ -51,6 +51,19 @@ def _normed_mm(x: Tensor, w: Tensor | Packed) -> Tensor:
     return w(x, normalize=True) if isinstance(w, Packed) else torch.mm(_unit(x), w)
 
 
+def _residual(x: Tensor, a: Tensor, w: Tensor | Packed) -> Tensor:
+    """x + a @ w for w packed, (in, out), or its column blocks (blocks, in, out / blocks)."""
+    if isinstance(w, Packed):
+        return w(a, residual=x)
+    if w.dim() == 2:
+        return torch.addmm(x, a, w)
+    b = w.shape[0]
+    out = torch.bmm(a.expand(b, -1, -1), w)  # (blocks, tokens, out / blocks)
+    res = torch.empty_like(x, memory_format=torch.contiguous_format)
+    torch.add(x.reshape(x.shape[0], b, -1), out.transpose(0, 1), out=res.view(x.shape[0], b, -1))
+    return res
+
+
 def _split(w_t: Tensor, blocks: int, dim: int) -> Tensor | None:
     """(in, out) -> `blocks` blocks along `dim` (1: columns, 0: rows) stacked for one bmm, or None
     when splitting would not pay (one thread, a small matrix, not on CPU, or uneven blocks)."""
