@@ -190,7 +190,9 @@ def _dropin(model: TextToSemantic) -> Callable | None:
 
 def measure(modes: list[Mode], reps: int) -> None:
     for mode in modes:  # warm-up: first-call allocations and lazy init stay out of the numbers
+        start = time.perf_counter()
         mode.run()
+        print(f"  warm-up {mode.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     for rep in range(reps):
         for mode in modes:
             start = time.perf_counter()

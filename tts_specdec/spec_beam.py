@@ -17,7 +17,6 @@ The result is token for token what `beam.beam_search_loop` returns.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .results import DecodeStats
 from .sampling import cfg_mix
+from .timing import PhaseClock
 
 
 @dataclass
@@ -87,15 +87,17 @@ def spec_beam_search_loop(
                  dec.start(enc.rows), enc)
     done: dict[int, BeamState] = {}
     stats.committed_hist = [0] * (gamma + 2)
+    clock = PhaseClock(device)
     while live.items:
         # no drafting past max_length: replay can commit at most max_length - t steps
         levels = min(gamma, max_length - 1 - int(live.pos.min()))
         cache.grow(int(live.pos.max()) + 2 + levels * width)
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         tree = draft(dec, live, cache, levels, width, cond_scale)
-        t1 = time.perf_counter()
+        t1 = clock.mark()
         logprobs = verify(dec, live, tree, cache, cond_scale)
-        t2 = time.perf_counter()
+        clock.add("draft", t0, t1)
+        clock.add("verify", t1, clock.mark())
         advances = replay(live, tree, logprobs, max_length)
         for a, adv in enumerate(advances):
             stats.committed_hist[adv.steps] += 1
@@ -105,8 +107,7 @@ def spec_beam_search_loop(
         stats.steps += 1
         stats.target_passes += 1
         stats.draft_passes += levels
-        stats.draft_time += t1 - t0
-        stats.verify_time += t2 - t1
+    clock.into(stats)
     best = [done[i].best(0) for i in range(batch)]
     return [t for t, _ in best], [s for _, s in best]
 

@@ -14,7 +14,6 @@ loop draws it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,7 @@ from torch import Tensor
 from .decoder import Decoder
 from .results import DecodeStats
 from .sampling import Acceptance, SamplingConfig, cfg_mix, draw, greedy_accept, probabilities, speculative_accept
+from .timing import PhaseClock
 
 
 # plain sampling steps per kernel call: the call's fixed cost (~20 us) spread over them; a run ends early
@@ -67,22 +67,24 @@ def sample_loop(
     trunk = range(dec.exit_layer) if gamma else range(0)
     upper = range(len(trunk), dec.depth)
     logits_of = lambda h, head: cfg_mix(head(h), cond_scale) if guided else head(h)  # noqa: E731
+    clock = PhaseClock(device)
 
     while rows.index:
         # plain sampling runs PLAIN_STEPS steps per kernel call (rows advance together: same length)
         steps = gamma or min(PLAIN_STEPS, max_length - len(out[rows.index[0]]))
         cache.grow(max(rows.pos) + steps + 2)
         pos_t = torch.tensor(rows.pos, device=device)
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         run = None if gamma else dec.sample_steps(rows.x, pos_t, steps, cfg.temperature, generator, enc, cache,
                                                   cfg.top_k, cfg.top_p, cond_scale)
         if run is not None:
             tokens, rows.x = run
             new = tokens.tolist()
-            _count(stats, [], None, 0, gamma, 0.0, time.perf_counter() - t0, passes=tokens.shape[1])
+            clock.add("verify", t0, clock.mark())
+            _count(stats, [], None, 0, gamma, passes=tokens.shape[1])
         else:
             new, rows.x = _cycle(dec, rows.x, pos_t, gamma, trunk, upper, enc, cache, cfg, generator, cond_scale,
-                                 logits_of, guided, draft_confidence, stats)
+                                 logits_of, guided, draft_confidence, stats, clock)
         # commit: each row's new tokens (a plain run, or accepted drafts and the correction/bonus token);
         # a row ends at EOS or max_length
         keep = []
@@ -102,6 +104,7 @@ def sample_loop(
             cache.reorder(cache_rows)
             enc = enc.select(cache_rows)
             rows = _Rows([rows.index[r] for r in keep], [rows.pos[r] for r in keep], rows.x[cache_rows])
+    clock.into(stats)
     stats.generated_tokens += sum(len(o) for o in out)
     return [torch.tensor(o, dtype=torch.long, device=device) for o in out]
 
@@ -109,12 +112,12 @@ def sample_loop(
 def _cycle(
     dec: Decoder, x0: Tensor, pos_t: Tensor, gamma: int, trunk: range, upper: range, enc, cache, cfg: SamplingConfig,
     generator: torch.Generator | None, cond_scale: float, logits_of, guided: bool, draft_confidence: float | None,
-    stats: DecodeStats,
+    stats: DecodeStats, clock: PhaseClock,
 ) -> tuple[list[list[int]], Tensor]:
     """One draft -> verify -> accept cycle (gamma = 0: one plain step) from each row's pending input x0
     (rows, 1, dim) at pos_t; returns each sequence's new tokens (accepted drafts, then the correction or
     bonus token) and the next pending input."""
-    t0 = time.perf_counter()
+    t0 = clock.mark()
     start = dec.start_of(pos_t, guided)
     # draft: gamma tokens from the exit head, keeping every exit state for the target
     # limit: per-row draft counts, only when rows may stop early
@@ -124,18 +127,19 @@ def _cycle(
                           cfg.top_p, cond_scale)
         x, q, drafts, limit = fused if fused is not None else _draft_steps(
             dec, x0, start, pos_t, gamma, trunk, enc, cache, cfg, generator, logits_of, guided, draft_confidence)
-    t1 = time.perf_counter()
+    t1 = clock.mark()
     # verify: the layers above the exit on all gamma + 1 positions at once
     target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)
     # accept: rows keep different numbers of drafts
     acc = _accept(target_logits, drafts, q, cfg, generator, limit)
-    t2 = time.perf_counter()
+    clock.add("draft", t0, t1)
+    clock.add("verify", t1, clock.mark())
     accepted, next_token = acc.accepted.tolist(), acc.next_token.tolist()
     drafted = drafts.tolist() if drafts is not None else [[] for _ in accepted]
     proposed = None  # drafts each row proposed this cycle
     if drafts is not None:
         proposed = limit.tolist() if limit is not None else [drafts.shape[1]] * len(accepted)
-    _count(stats, accepted, proposed, len(drafted[0]), gamma, t1 - t0, t2 - t1)
+    _count(stats, accepted, proposed, len(drafted[0]), gamma)
     new = [d[:k] + [t] for d, k, t in zip(drafted, accepted, next_token)]
     return new, dec.embed(acc.next_token[:, None], guided)
 
@@ -191,15 +195,13 @@ def _accept(
 
 def _count(
     stats: DecodeStats, accepted: list[int], limit: list[int] | None, draft_steps: int, gamma: int,
-    draft_s: float, verify_s: float, passes: int = 1,
+    passes: int = 1,
 ) -> None:
     """One cycle's counters; `limit`: drafts each row proposed (None without drafts); `passes`: target
     passes (plain steps) the cycle made."""
     stats.steps += passes
     stats.target_passes += passes
     stats.draft_passes += draft_steps
-    stats.draft_time += draft_s
-    stats.verify_time += verify_s
     if limit is not None:
         stats.drafted += sum(limit)
         stats.accepted += sum(accepted)
