@@ -151,6 +151,13 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
                 "sample", gamma=gm, draft_confidence=conf, **sk), "ours sample"))
             modes.append(Mode(f"ours speculative greedy (gamma<={gm}, conf {conf:g})", ours(
                 "sample", gamma=gm, draft_confidence=conf, **gk), "ours greedy"))
+        if args.draft_cond_scale and args.cond_scale > 1:  # the same rows with a gentler-guided draft
+            ds = args.draft_cond_scale
+            modes.append(Mode(f"ours speculative sample (gamma={g}, draft cfg {ds:g})", ours(
+                "sample", gamma=g, draft_cond_scale=ds, **sk), "ours sample"))
+            if args.draft_confidence:
+                modes.append(Mode(f"ours speculative sample (gamma<={gm}, conf {conf:g}, draft cfg {ds:g})", ours(
+                    "sample", gamma=gm, draft_confidence=conf, draft_cond_scale=ds, **sk), "ours sample"))
     if not args.skip_upstream_beam:
         modes.append(Mode(f"spear-tts generate (beam {k})", upstream(beam_search_decode=True, beam_size=k)))
     modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k), None if args.skip_upstream_beam else f"spear-tts generate (beam {k})"))
@@ -318,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "(0: none; needs --temperature 1, where both filters agree)")
     p.add_argument("--cond-scale", type=float, default=1.0,
                    help="classifier-free guidance scale of the sampling and greedy rows (beam rows: 1)")
+    p.add_argument("--draft-cond-scale", type=float, default=0.0,
+                   help="with --cond-scale > 1: extra speculative sampling rows whose draft is guided at this scale")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--distill-steps", type=int, default=300, help="reference model: exit-head distillation steps")
     p.add_argument("--skip-upstream-beam", action="store_true", help="skip spear-tts beam search (slowest row)")

@@ -99,6 +99,9 @@ def test_source_must_be_right_padded_integer_ids(dec, src):
         ("sample", dict(gamma=2, draft_confidence=1.5), ValueError, r"draft_confidence must be in \(0, 1\]"),
         ("sample", dict(gamma=2, draft_confidence="high"), TypeError, "draft_confidence must be"),
         ("sample", dict(draft_confidence=0.5), ValueError, "draft_confidence needs gamma > 0"),
+        ("sample", dict(gamma=2, draft_cond_scale=0.5), ValueError, "draft_cond_scale must be >= 1"),
+        ("sample", dict(gamma=2, draft_cond_scale="low"), TypeError, "draft_cond_scale must be"),
+        ("sample", dict(gamma=2, draft_cond_scale=2.0), ValueError, "draft_cond_scale needs gamma > 0 and cond_scale > 1"),
         ("sample", dict(generator=0), TypeError, "generator must be a torch.Generator"),
     ],
 )

@@ -242,6 +242,14 @@ def test_speculative_greedy_with_guidance_equals_plain(sources, layout):
     check_eos_mix(plain, MAX_LEN)
     for gamma in (1, 3):
         assert_same_tokens(greedy(model, source, max_length=MAX_LEN, cond_scale=3.0, gamma=gamma).tokens, plain)
+    # a draft guided at another scale drafts other tokens, and the output still does not move
+    hists = {}
+    for draft_scale in (None, 3.0, 1.0, 2.0):
+        spec = greedy(model, source, max_length=MAX_LEN, cond_scale=3.0, gamma=3, draft_cond_scale=draft_scale)
+        assert_same_tokens(spec.tokens, plain)
+        hists[draft_scale] = spec.stats.accepted_hist
+    assert hists[None] == hists[3.0]
+    assert hists[1.0] != hists[3.0]  # the scale reaches the draft
 
 
 @pytest.mark.parametrize("gamma", [0, 3])
@@ -278,12 +286,13 @@ def prefix_law(model, source, length, vocab, top_k=None, cond_scale=1.0):
 
 
 @pytest.mark.parametrize(
-    "gamma, top_k, cond_scale, confidence",
-    [(0, None, 1.0, None), (2, None, 1.0, None), (0, 2, 1.0, None), (2, 2, 1.0, None), (2, None, 3.0, None),
-     (3, None, 1.0, 0.5), (3, 2, 1.0, 0.7)],
-    ids=["plain", "spec", "plain-topk", "spec-topk", "spec-cfg", "spec-early-stop", "spec-topk-early-stop"],
+    "gamma, top_k, cond_scale, confidence, draft_scale",
+    [(0, None, 1.0, None, None), (2, None, 1.0, None, None), (0, 2, 1.0, None, None), (2, 2, 1.0, None, None),
+     (2, None, 3.0, None, None), (2, None, 3.0, None, 1.0), (3, None, 1.0, 0.5, None), (3, 2, 1.0, 0.7, None)],
+    ids=["plain", "spec", "plain-topk", "spec-topk", "spec-cfg", "spec-cfg-draft-1", "spec-early-stop",
+         "spec-topk-early-stop"],
 )
-def test_first_tokens_follow_target_law(gamma, top_k, cond_scale, confidence):
+def test_first_tokens_follow_target_law(gamma, top_k, cond_scale, confidence, draft_scale):
     """Empirical law of the first 3 tokens == the exact target law (plain and speculative)."""
     vocab, length, n = 4, 3, 30_000
     model = make_model(8, semantic_vocab=vocab, eos=False, cond_drop_prob=0.5 if cond_scale > 1 else 0.0)
@@ -294,6 +303,7 @@ def test_first_tokens_follow_target_law(gamma, top_k, cond_scale, confidence):
     out = SpeculativeDecoder(model).sample(
         source.expand(n, -1), temperature=1.0, top_k=top_k, max_length=length, gamma=gamma,
         cond_scale=cond_scale, generator=torch.Generator().manual_seed(10 + gamma), draft_confidence=confidence,
+        draft_cond_scale=draft_scale,
     )
     seqs = torch.stack(out.tokens)
     codes = (seqs * torch.tensor([vocab**2, vocab, 1])).sum(dim=1)
@@ -354,8 +364,8 @@ def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence,
     (cond and null rows); and it writes the same trunk K/V."""
     from tts_specdec import kernels
     from tts_specdec.decoder import Decoder
-    from tts_specdec.sampling import SamplingConfig, cfg_mix
-    from tts_specdec.speculative import _draft_steps
+    from tts_specdec.sampling import SamplingConfig
+    from tts_specdec.speculative import _draft_steps, _Guidance
 
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason())
@@ -382,9 +392,8 @@ def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence,
             else:
                 cfg = SamplingConfig(temperature, top_k, top_p)
                 start = dec.start_of(pos, guided)
-                logits_of = (lambda h, head: cfg_mix(head(h), cond_scale)) if guided else (lambda h, head: head(h))
                 out = _draft_steps(dec, x, start, pos, gamma, range(dec.exit_layer), enc, cache, cfg, gen,
-                                   logits_of, guided, confidence)
+                                   _Guidance(guided, cond_scale, cond_scale), confidence)
             trunk_k = cache.k[: dec.exit_layer, :, :, : 5 + 5 + gamma + 1].clone()
             results.append((out, trunk_k))
     (exits_f, q_f, drafts_f, limit_f), k_f = results[0]

@@ -9,7 +9,7 @@ Mapping of spear-tts's arguments:
 - sampling (default): temperature 0 is greedy; `filter_logits_fn` = spear-tts `top_k` (its default:
   keep ceil(thres * V) logits, thres 0.1, or `k`) or `top_p` (`thres`, default 0.9) becomes our filter;
   spec_decode=True uses exact speculative sampling with `spec_decode_gamma` drafts (at most, with the
-  added keyword `draft_confidence`).
+  added keywords `draft_confidence` and `draft_cond_scale`).
 - beam_search_decode=True: our exact batched beam search (`length_penalty`, default 1.0, is an added
   keyword); with spec_decode=True too, speculative beam search, which returns the same result.
 - directions without an early-exit head (speech -> text) ignore spec_decode and run the plain loops.
@@ -61,6 +61,7 @@ def generate(
     length_penalty: float = 1.0,
     draft_width: int | None = None,
     draft_confidence: float | None = None,
+    draft_cond_scale: float | None = None,
     generator: torch.Generator | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """`TextToSemantic.generate` with the same arguments and returns; see the module docstring."""
@@ -95,6 +96,7 @@ def generate(
             ids, temperature=temperature, top_k=top_k, top_p=top_p, cond_scale=cond_scale,
             max_length=max_length, generator=generator, gamma=gamma,
             draft_confidence=draft_confidence if gamma else None,
+            draft_cond_scale=draft_cond_scale if gamma and cond_scale > 1 else None,
         )
     target = _pad(out.tokens, dec.decoder.eos_id, model.pad_id[target_type], max_length, ids.device)
     returned = [target]

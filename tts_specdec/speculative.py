@@ -30,6 +30,22 @@ from .timing import PhaseClock
 PLAIN_STEPS = 32
 
 
+@dataclass(frozen=True)
+class _Guidance:
+    """Classifier-free guidance of one decode call: rows are (cond, null) pairs when `on`; the target's
+    logits are mixed at `scale`, the draft's at `draft_scale` (any draft keeps sampling exact)."""
+
+    on: bool
+    scale: float
+    draft_scale: float
+
+    def target(self, logits: Tensor) -> Tensor:
+        return cfg_mix(logits, self.scale) if self.on else logits
+
+    def draft(self, logits: Tensor) -> Tensor:
+        return cfg_mix(logits, self.draft_scale) if self.on else logits
+
+
 @dataclass
 class _Rows:
     """Active sequences. Bookkeeping is in Python lists: a decoding step has a handful of rows, and
@@ -51,12 +67,14 @@ def sample_loop(
     generator: torch.Generator | None,
     stats: DecodeStats,
     draft_confidence: float | None = None,
+    draft_cond_scale: float | None = None,
 ) -> list[Tensor]:
     """Returns each row's generated tokens (EOS and everything after it removed).
 
     draft_confidence: a row stops drafting after a token its draft gave less than this probability
     (up to gamma drafts per cycle); the cycle's drafting ends when every row stopped. The stopping
     rule reads only the draft's own distribution, so acceptance stays exact for each row's length.
+    draft_cond_scale: the guidance scale of the draft's logits (None: cond_scale).
     """
     batch, device = source.shape[0], source.device
     guided = cond_scale > 1
@@ -66,7 +84,7 @@ def sample_loop(
     rows = _Rows(list(range(batch)), [0] * batch, dec.start(enc.rows))
     trunk = range(dec.exit_layer) if gamma else range(0)
     upper = range(len(trunk), dec.depth)
-    logits_of = lambda h, head: cfg_mix(head(h), cond_scale) if guided else head(h)  # noqa: E731
+    guide = _Guidance(guided, cond_scale, cond_scale if draft_cond_scale is None else draft_cond_scale)
     clock = PhaseClock(device)
 
     while rows.index:
@@ -83,8 +101,8 @@ def sample_loop(
             clock.add("verify", t0, clock.mark())
             _count(stats, [], None, 0, gamma, passes=tokens.shape[1])
         else:
-            new, rows.x = _cycle(dec, rows.x, pos_t, gamma, trunk, upper, enc, cache, cfg, generator, cond_scale,
-                                 logits_of, guided, draft_confidence, stats, clock)
+            new, rows.x = _cycle(dec, rows.x, pos_t, gamma, trunk, upper, enc, cache, cfg, generator, guide,
+                                 draft_confidence, stats, clock)
         # commit: each row's new tokens (a plain run, or accepted drafts and the correction/bonus token);
         # a row ends at EOS or max_length
         keep = []
@@ -111,25 +129,25 @@ def sample_loop(
 
 def _cycle(
     dec: Decoder, x0: Tensor, pos_t: Tensor, gamma: int, trunk: range, upper: range, enc, cache, cfg: SamplingConfig,
-    generator: torch.Generator | None, cond_scale: float, logits_of, guided: bool, draft_confidence: float | None,
-    stats: DecodeStats, clock: PhaseClock,
+    generator: torch.Generator | None, guide: _Guidance, draft_confidence: float | None, stats: DecodeStats,
+    clock: PhaseClock,
 ) -> tuple[list[list[int]], Tensor]:
     """One draft -> verify -> accept cycle (gamma = 0: one plain step) from each row's pending input x0
     (rows, 1, dim) at pos_t; returns each sequence's new tokens (accepted drafts, then the correction or
     bonus token) and the next pending input."""
     t0 = clock.mark()
-    start = dec.start_of(pos_t, guided)
+    start = dec.start_of(pos_t, guide.on)
     # draft: gamma tokens from the exit head, keeping every exit state for the target
     # limit: per-row draft counts, only when rows may stop early
     x, q, drafts, limit = x0, None, None, None
     if gamma:  # the whole draft phase in one kernel call, else step by step
         fused = dec.draft(x0, pos_t, gamma, cfg.temperature, generator, enc, cache, draft_confidence, cfg.top_k,
-                          cfg.top_p, cond_scale)
+                          cfg.top_p, guide.draft_scale)
         x, q, drafts, limit = fused if fused is not None else _draft_steps(
-            dec, x0, start, pos_t, gamma, trunk, enc, cache, cfg, generator, logits_of, guided, draft_confidence)
+            dec, x0, start, pos_t, gamma, trunk, enc, cache, cfg, generator, guide, draft_confidence)
     t1 = clock.mark()
     # verify: the layers above the exit on all gamma + 1 positions at once
-    target_logits = logits_of(dec.run(x, start, upper, enc, cache), dec.target_logits)
+    target_logits = guide.target(dec.target_logits(dec.run(x, start, upper, enc, cache)))
     # accept: rows keep different numbers of drafts
     acc = _accept(target_logits, drafts, q, cfg, generator, limit)
     clock.add("draft", t0, t1)
@@ -141,12 +159,12 @@ def _cycle(
         proposed = limit.tolist() if limit is not None else [drafts.shape[1]] * len(accepted)
     _count(stats, accepted, proposed, len(drafted[0]), gamma)
     new = [d[:k] + [t] for d, k, t in zip(drafted, accepted, next_token)]
-    return new, dec.embed(acc.next_token[:, None], guided)
+    return new, dec.embed(acc.next_token[:, None], guide.on)
 
 
 def _draft_steps(
     dec: Decoder, x: Tensor, start: int | Tensor, pos_t: Tensor, gamma: int, trunk: range, enc, cache, cfg: SamplingConfig,
-    generator: torch.Generator | None, logits_of, guided: bool, draft_confidence: float | None,
+    generator: torch.Generator | None, guide: _Guidance, draft_confidence: float | None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """The draft phase step by step (without the kernels; the reference `Decoder.draft` is tested
     against): returns the exit states (rows, drafts + 1, dim), q (seqs, drafts, V) or None when greedy,
@@ -159,14 +177,14 @@ def _draft_steps(
     for d in range(gamma):
         h = dec.run(x, start + d, trunk, enc, cache)
         exits.append(h)
-        draft_logits = logits_of(h[:, -1], dec.draft_logits)
+        draft_logits = guide.draft(dec.draft_logits(h[:, -1]))
         if cfg.greedy:
             token = draft_logits.argmax(dim=-1)
         else:
             q.append(probabilities(draft_logits, cfg))
             token = draw(q[-1], generator)
         drafts.append(token)
-        x = dec.embed(token[:, None], guided)
+        x = dec.embed(token[:, None], guide.on)
         if drafting is not None:
             q_x = draft_logits.softmax(-1).amax(-1) if cfg.greedy else q[-1].gather(-1, token[:, None])[:, 0]
             stop = drafting & (q_x < draft_confidence)
