@@ -94,15 +94,19 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     new_len = state.length + 1
     norm = new_len**state.length_penalty
     device = state.tokens.device
-    first_tokens = top_index[:, :k] % vocab
-    if bool(torch.isfinite(top_scores[:, :k]).all()) and (
-        state.eos_id is None or not bool((first_tokens == state.eos_id).any())
+    # the K best as Python numbers: a few dozen values, cheaper to test here than with tensor ops
+    best, flat = top_scores[:, :k].tolist(), top_index[:, :k].tolist()
+    if all(math.isfinite(v) for row in best for v in row) and (
+        state.eos_id is None or all(f % vocab != state.eos_id for row in flat for f in row)
     ):
-        # the common case, vectorised: no EOS and no -inf among the K best, so they are the new beams
-        parents = torch.arange(a, device=device)[:, None] * k + (top_index[:, :k] // vocab).to(device)
-        tokens, scores = first_tokens.to(device), top_scores[:, :k].to(device, torch.float64)
+        # the common case: no EOS and no -inf among the K best, so they are the new beams
+        parents = torch.tensor([[i * k + f // vocab for f in row] for i, row in enumerate(flat)], device=device)
+        tokens = torch.tensor([[f % vocab for f in row] for row in flat], device=device)
+        scores = top_scores[:, :k].to(device, torch.float64)
+        best_live = [row[0] for row in best]  # float32 values, exactly as in `scores`
     else:
         parents, tokens, scores = _walk(state, top_scores, top_index, vocab, norm)
+        best_live = scores[:, 0].tolist()  # beams are in score order
     state.tokens = torch.cat((state.tokens[parents.flatten()], tokens.flatten()[:, None]), dim=1)
     state.scores = scores
 
@@ -113,7 +117,6 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
                     state._add_finished(state.items[i], float(scores[i, j]) / norm, state.tokens[i * k + j])
         keep = []
     else:
-        best_live = scores[:, 0].tolist()  # beams are in score order
         keep = [i for i in range(a) if not _is_done(state, i, best_live[i], norm)]
     if len(keep) == a:  # no item finished: rows stay where they are
         return StepOutput(parents.flatten(), tokens.flatten(), torch.arange(a, device=device))
