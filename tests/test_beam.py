@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tts_specdec import SpeculativeDecoder
+from tts_specdec import SpeculativeDecoder, kernels
 from tts_specdec.beam import BeamState, beam_step
 
 from conftest import forward_logits, make_model, make_source, sequence_table, upstream_generate
@@ -118,7 +118,10 @@ def test_beam_batch_rows_equal_rows_decoded_alone():
         n = int((source[i] != 0).sum())
         alone = dec.beam_search(source[i : i + 1, :n], beam_size=3, max_length=14)
         assert batch.tokens[i].tolist() == alone.tokens[0].tolist(), i
-        assert batch.scores[i] == pytest.approx(alone.scores[0], rel=1e-5)
+        # float32 sums of 14 log-probs; the source encoder's products see padded batches of another
+        # shape (seen: 1.4e-7 relative), and so do the decoder's without the kernels (torch's products
+        # round by batch shape; seen: 1.3e-5 relative)
+        assert batch.scores[i] == pytest.approx(alone.scores[0], rel=1e-5 if kernels.available() else 1e-4), i
 
 
 def test_beam_size_one_without_eos_is_greedy():
