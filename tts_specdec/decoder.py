@@ -463,8 +463,7 @@ class Decoder:
         by step (the same filters, the same random numbers from `generator`); the steps end early after
         one in which some sequence picked EOS. Returns the tokens (seqs, steps taken) and the next input
         (rows, 1, dim)."""
-        self._weights()  # prepared (and the layout chosen) before the check: begin() may have dropped them
-        if not self._fused_attention:
+        if not self._steps_fused():
             return None
         w = self._target_weight()
         if not isinstance(w, Packed):
@@ -491,8 +490,7 @@ class Decoder:
         Returns the exit states of the pending input and the drafts (rows, steps + 1, dim), the draft
         distributions (seqs, steps, V) (None when greedy), the drafts (seqs, steps) and each sequence's
         proposed count (None without confidence)."""
-        self._weights()  # prepared (and the layout chosen) before the check: begin() may have dropped them
-        if not self._fused_attention:
+        if not self._steps_fused():
             return None
         head = self._draft_head()
         if head.kernel is None:
@@ -501,6 +499,12 @@ class Decoder:
             x, pos, range(self.exit_layer), head.kernel, gamma, temperature, generator, enc, cache, top_k=top_k,
             top_p=top_p, cond_scale=cond_scale, confidence=confidence, tail=True)
         return exits, q, drafts, limit
+
+    def _steps_fused(self) -> bool:
+        """Whether `_steps` can run: the weights are prepared (and the layout chosen) first, since
+        begin() may have dropped them."""
+        self._weights()
+        return self._fused_attention
 
     def _steps(
         self, x: Tensor, pos: Tensor, layers: range, head: kernels.Head, steps: int, temperature: float,

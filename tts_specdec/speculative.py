@@ -77,14 +77,13 @@ def sample_loop(
     draft_cond_scale: the guidance scale of the draft's logits (None: cond_scale).
     """
     batch, device = source.shape[0], source.device
-    guided = cond_scale > 1
-    enc = dec.encode(source, guided)
+    guide = _Guidance(cond_scale > 1, cond_scale, cond_scale if draft_cond_scale is None else draft_cond_scale)
+    enc = dec.encode(source, guide.on)
     cache = dec.new_cache(enc.rows, min(max_length, 256) + gamma + 2)
     out: list[list[int]] = [[] for _ in range(batch)]
     rows = _Rows(list(range(batch)), [0] * batch, dec.start(enc.rows))
     trunk = range(dec.exit_layer) if gamma else range(0)
     upper = range(len(trunk), dec.depth)
-    guide = _Guidance(guided, cond_scale, cond_scale if draft_cond_scale is None else draft_cond_scale)
     clock = PhaseClock(device)
 
     while rows.index:
@@ -115,10 +114,10 @@ def sample_loop(
             out[i].extend(tokens[: max_length - len(out[i])])
             if not ended:
                 keep.append(r)
-        cache.crop(dec.per_row(torch.tensor(rows.pos, device=device), guided))
+        cache.crop(dec.per_row(torch.tensor(rows.pos, device=device), guide.on))
         if len(keep) < len(rows.index):
             keep_t = torch.tensor(keep, dtype=torch.long, device=device)
-            cache_rows = dec.rows(keep_t, guided)
+            cache_rows = dec.rows(keep_t, guide.on)
             cache.reorder(cache_rows)
             enc = enc.select(cache_rows)
             rows = _Rows([rows.index[r] for r in keep], [rows.pos[r] for r in keep], rows.x[cache_rows])
