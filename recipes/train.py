@@ -3,6 +3,8 @@
     python recipes/make_corpus.py
     python recipes/train.py                     # -> runs/default/{kmeans.joblib,pairs.pt,checkpoint/}
     python recipes/train.py --ship              # also copy the checkpoint into tts_specdec/assets/
+    python recipes/train.py --init-from tts_specdec/assets --steps 0 --distill-steps 0 \
+        --draft-distill 12000 --ship            # only refit the shipped exit head (trunk frozen)
 
 Deterministic for a given --seed (2 CPU threads); each stage is cached in the run directory.
 """
@@ -27,7 +29,9 @@ from tts_specdec.speech.checkpoint import FILES, Checkpoint, load_checkpoint, sa
 from tts_specdec.speech.dataset import PairedData, corpus_frames, extract_pairs
 from tts_specdec.speech.model import ModelConfig, build_model
 from tts_specdec.speech.tokenizer import CharTokenizer
+from tts_specdec.distill import distill_exit_head as distill_on_samples
 from tts_specdec.speech.self_distill import greedy_pairs
+from tts_specdec.speech.sentences import generate_sentences
 from tts_specdec.speech.training import TrainConfig, diagnostics, distill_exit_head, train
 from tts_specdec.speech.units import MelKMeans, fit_kmeans, save_kmeans
 
@@ -64,6 +68,10 @@ def main() -> None:
     parser.add_argument("--self-distill", type=int, default=0,
                         help="then distil the exit head on the model's own greedy units for this many sentences")
     parser.add_argument("--self-distill-steps", type=int, default=300)
+    parser.add_argument("--draft-distill", type=int, default=0,
+                        help="last, fit the exit head (TV loss, trunk frozen) to the model's own samples on this "
+                             "many new sentences (in neither the training nor the held-out set)")
+    parser.add_argument("--draft-distill-steps", type=int, default=8000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ship", action="store_true", help="copy the result into tts_specdec/assets")
@@ -112,6 +120,9 @@ def main() -> None:
         lineage["self_distill"] = {"sentences": args.self_distill, "steps": args.self_distill_steps,
                                    "diagnostics": diagnostics(model, heldout)}
         print(f"after self-distillation: {lineage['self_distill']['diagnostics']}")
+    if args.draft_distill:
+        lineage["draft_distill"] = draft_distill(model, args.draft_distill, args.draft_distill_steps,
+                                                 set(train_data.texts) | set(heldout.texts), args.seed)
     meta = {**lineage, "train": dataclasses.asdict(train_config), "result": dataclasses.asdict(result),
             "corpus": str(args.corpus), "train_utterances": len(train_data),
             "train_minutes": round((time.time() - started) / 60, 1), "threads": args.threads}
@@ -123,6 +134,22 @@ def main() -> None:
         for name in FILES:
             shutil.copy(out / name, ASSETS / name)
         print(f"shipped to {ASSETS}")
+
+
+def draft_distill(model, n: int, steps: int, exclude: set[str], seed: int) -> dict:
+    """The exit head fitted to the target's samples on `n` sentences it was not trained on: on its
+    training sentences the target is surer than on new text, and a head fitted there does not carry
+    over (shipped model: held-out acceptance 0.847 -> 0.850 that way, -> ~0.865 on new sentences)."""
+    texts = [t for t in generate_sentences(n + len(exclude), seed=seed + 1000) if t not in exclude][:n]
+    result = distill_on_samples(model, texts, seq_len=400, steps=steps, batch=1024, lr=5e-4, loss="tv",
+                                holdout=0.1, eval_every=100, seed=seed, progress=True)
+    model.eval()
+    summary = {"sentences": len(texts), "steps": steps, "best_step": result.best_step,
+               "acceptance_before": round(result.acceptance_before, 4),
+               "acceptance_after": round(result.acceptance_after, 4),
+               "positions": result.train_positions + result.heldout_positions}
+    print(f"draft distillation: {summary}")
+    return summary
 
 
 if __name__ == "__main__":
