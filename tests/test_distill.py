@@ -83,7 +83,28 @@ def test_texts_as_sources():
     assert result.train_positions + result.heldout_positions > 12
 
 
+def test_guided_fit_raises_guided_acceptance():
+    model = make_model(7, std=0.3, cond_drop_prob=0.2)
+    sources = make_source(16, 6, seed=9)
+
+    def guided_alpha() -> float:
+        out = SpeculativeDecoder(model).sample(sources, gamma=4, max_length=30, cond_scale=3.0,
+                                               draft_cond_scale=2.0, generator=torch.Generator().manual_seed(3))
+        return out.stats.alpha
+
+    before = guided_alpha()
+    result = distill_exit_head(model, make_source(48, 6, seed=1), seq_len=30, steps=300, cond_scale=3.0,
+                               draft_cond_scale=2.0, seed=0)
+    after = guided_alpha()
+    assert result.acceptance_after > result.acceptance_before + 0.1, result
+    assert after > before + 0.1, (before, after)  # as guided speculative sampling measures it
+    assert abs(after - result.acceptance_after) < 0.15, (after, result.acceptance_after)
+
+
 @pytest.mark.parametrize("kwargs, error, name", [
+    ({"cond_scale": 0.5}, ValueError, "cond_scale"),
+    ({"cond_scale": 3.0}, ValueError, "cond_drop_prob"),
+    ({"draft_cond_scale": 2.0}, ValueError, "draft_cond_scale"),
     ({"loss": "mse"}, ValueError, "loss"),
     ({"holdout": 1.0}, ValueError, "holdout"),
     ({"holdout": -0.1}, ValueError, "holdout"),

@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from ._upstream import TextToSemantic
 from .api import SpeculativeDecoder
-from .inputs import check_float, check_int, prepare_source
+from .inputs import check_common, check_float, check_int, prepare_source
+from .sampling import cfg_mix
 
 LOSSES = ("tv", "kl")
 
@@ -52,6 +53,8 @@ def distill_exit_head(
     holdout: float = 0.1,
     eval_every: int = 50,
     chunk: int = 32,
+    cond_scale: float = 1.0,
+    draft_cond_scale: float | None = None,
     seed: int = 0,
     progress: bool = False,
 ) -> DistillResult:
@@ -64,7 +67,10 @@ def distill_exit_head(
     loss: "tv" (total variation, 1 - acceptance itself) or "kl" (KL(p || q), smoother from a head far
     from the target, e.g. a random one). holdout: share of the sequences set aside to measure
     acceptance and keep the best head (checked every `eval_every` steps; 0: no set-aside, the last
-    head is kept). chunk: sources sampled and recorded per call.
+    head is kept). chunk: sources sampled and recorded per call. cond_scale > 1: fit for guided
+    decoding, the draft's guided mix at `draft_cond_scale` (default cond_scale) to the target's guided
+    distribution on its guided samples (what `sample(cond_scale=, draft_cond_scale=)` then accepts; the
+    same head also drafts unguided, where such a fit may accept less). progress: show progress bars.
     """
     if not isinstance(model, TextToSemantic):
         raise TypeError(f"model must be a spear_tts_pytorch.TextToSemantic, got {type(model).__name__}")
@@ -77,6 +83,14 @@ def distill_exit_head(
                                  ("chunk", chunk, 1)):
         check_int(name, value, minimum)
     lr, holdout = check_float("lr", lr), check_float("holdout", holdout)
+    _, cond_scale = check_common(model, max_length=seq_len, cond_scale=cond_scale)
+    draft_scale = cond_scale
+    if draft_cond_scale is not None:
+        draft_scale = check_float("draft_cond_scale", draft_cond_scale)
+        if draft_scale < 1:
+            raise ValueError(f"draft_cond_scale must be >= 1, got {draft_scale}")
+        if cond_scale == 1:
+            raise ValueError("draft_cond_scale needs cond_scale > 1 (it guides the draft)")
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     if not 0 <= holdout < 1:
@@ -89,7 +103,8 @@ def distill_exit_head(
     was_training = model.training
     model.eval()
     try:
-        states, log_p, seq_of = _record(SpeculativeDecoder(model), sources, seq_len, chunk, seed, progress)
+        states, log_p, seq_of = _record(SpeculativeDecoder(model), sources, seq_len, chunk, cond_scale, seed,
+                                        progress)
     finally:
         model.train(was_training)
     n_seq = len(sources)
@@ -102,12 +117,17 @@ def distill_exit_head(
 
     head = model.to_early_exit_semantic_logits
     params = list(head.parameters())
+    guided = cond_scale > 1
+
+    def draft_logits(h: Tensor) -> Tensor:  # guided: h (positions, 2, dim) in (cond, null) pairs
+        logits = head(h)
+        return cfg_mix(logits.flatten(0, 1), draft_scale) if guided else logits
 
     def acceptance() -> float:
         with torch.no_grad():
             total = 0.0
             for part in held_idx.split(65536):
-                q = head(states[part]).softmax(-1)
+                q = draft_logits(states[part]).softmax(-1)
                 total += torch.minimum(log_p[part].exp(), q).sum(-1).sum().item()
         return total / len(held_idx)
 
@@ -122,7 +142,7 @@ def distill_exit_head(
         for group in opt.param_groups:  # short warm-up, then cosine down to a tenth
             group["lr"] = lr * min(1.0, step / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
         pick = train_idx[torch.randint(0, len(train_idx), (batch,), generator=gen).to(train_idx.device)]
-        log_q = head(states[pick]).log_softmax(-1)
+        log_q = draft_logits(states[pick]).log_softmax(-1)
         lp = log_p[pick]
         if loss == "tv":
             value = 0.5 * (lp.exp() - log_q.exp()).abs().sum(-1).mean()
@@ -154,11 +174,12 @@ def distill_exit_head(
 
 
 @torch.no_grad()
-def _record(dec: SpeculativeDecoder, sources: Tensor, seq_len: int, chunk: int, seed: int,
+def _record(dec: SpeculativeDecoder, sources: Tensor, seq_len: int, chunk: int, cond_scale: float, seed: int,
             progress: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Sample each source at temperature 1; return, for every input position of every sampled sequence
     (the start token and each sampled token), its exit hidden state, the target's log-probabilities
-    there, and the index of its sequence."""
+    there, and the index of its sequence. Guided (cond_scale > 1): the target's guided distribution, and
+    the exit states of the (cond, null) row pair, (positions, 2, dim)."""
     inner, exit_layer = dec.decoder, dec.decoder.exit_layer
     device = inner.device
     sample_gen = torch.Generator(device=device).manual_seed(seed)
@@ -166,17 +187,22 @@ def _record(dec: SpeculativeDecoder, sources: Tensor, seq_len: int, chunk: int, 
     for first in tqdm(range(0, len(sources), chunk), desc="sample the target", disable=not progress,
                       dynamic_ncols=True):
         src = sources[first : first + chunk]
-        sampled = dec.sample(src, temperature=1.0, max_length=seq_len, generator=sample_gen)
+        sampled = dec.sample(src, temperature=1.0, cond_scale=cond_scale, max_length=seq_len,
+                             generator=sample_gen)
         lengths = torch.tensor([len(t) for t in sampled.tokens], device=device)
         tokens = torch.zeros(len(src), int(lengths.max().clamp(min=1)), dtype=torch.long, device=device)
         for i, t in enumerate(sampled.tokens):
             tokens[i, : len(t)] = t
+        guided = cond_scale > 1
         inner.begin()
-        enc = inner.encode(src)
-        cache = inner.new_cache(len(src), tokens.shape[1] + 1)
-        x = torch.cat((inner.start(len(src)), inner.embed(tokens)), dim=1)
+        enc = inner.encode(src, guided)
+        cache = inner.new_cache(enc.rows, tokens.shape[1] + 1)
+        x = torch.cat((inner.start(enc.rows), inner.embed(tokens, guided)), dim=1)
         h_exit = inner.run(x, 0, range(exit_layer), enc, cache)
         logits = inner.target_logits(inner.run(h_exit, 0, range(exit_layer, inner.depth), enc, cache))
+        if guided:  # rows are (cond, null) pairs
+            logits = cfg_mix(logits, cond_scale)
+            h_exit = h_exit.unflatten(0, (-1, 2)).transpose(1, 2)  # (sequences, n, 2, dim)
         real = torch.arange(tokens.shape[1] + 1, device=device) <= lengths[:, None]  # start + tokens
         states.append(h_exit[real])
         log_p.append(logits[real].log_softmax(-1))
