@@ -15,10 +15,10 @@ def _head_state(model):
     return {k: v.clone() for k, v in model.to_early_exit_semantic_logits.state_dict().items()}
 
 
-def _spec_alpha(model, seed: int = 5) -> float:
+def _spec_alpha(model, source_seed: int = 5, seed: int = 5, **guidance) -> float:
     """Acceptance rate that speculative sampling measures on new sources (not the distillation's)."""
-    out = SpeculativeDecoder(model).sample(make_source(16, 6, seed=seed), gamma=4, max_length=30,
-                                           generator=torch.Generator().manual_seed(seed))
+    out = SpeculativeDecoder(model).sample(make_source(16, 6, seed=source_seed), gamma=4, max_length=30,
+                                           generator=torch.Generator().manual_seed(seed), **guidance)
     return out.stats.alpha
 
 
@@ -85,17 +85,10 @@ def test_texts_as_sources():
 
 def test_guided_fit_raises_guided_acceptance():
     model = make_model(7, std=0.3, cond_drop_prob=0.2)
-    sources = make_source(16, 6, seed=9)
-
-    def guided_alpha() -> float:
-        out = SpeculativeDecoder(model).sample(sources, gamma=4, max_length=30, cond_scale=3.0,
-                                               draft_cond_scale=2.0, generator=torch.Generator().manual_seed(3))
-        return out.stats.alpha
-
-    before = guided_alpha()
-    result = distill_exit_head(model, make_source(48, 6, seed=1), seq_len=30, steps=300, cond_scale=3.0,
-                               draft_cond_scale=2.0, seed=0)
-    after = guided_alpha()
+    guidance = {"cond_scale": 3.0, "draft_cond_scale": 2.0}
+    before = _spec_alpha(model, source_seed=9, seed=3, **guidance)
+    result = distill_exit_head(model, make_source(48, 6, seed=1), seq_len=30, steps=300, seed=0, **guidance)
+    after = _spec_alpha(model, source_seed=9, seed=3, **guidance)
     assert result.acceptance_after > result.acceptance_before + 0.1, result
     assert after > before + 0.1, (before, after)  # as guided speculative sampling measures it
     assert abs(after - result.acceptance_after) < 0.15, (after, result.acceptance_after)

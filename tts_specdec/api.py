@@ -11,7 +11,7 @@ from torch import Tensor
 from ._upstream import TextToSemantic
 from .beam import beam_search_loop
 from .decoder import Decoder
-from .inputs import check_common, check_float, check_gamma, check_int, eval_mode, prepare_source, walk
+from .inputs import check_common, check_draft_cond_scale, check_float, check_gamma, check_int, eval_mode, prepare_source, walk
 from .results import Decoded, DecodeStats
 from .sampling import SamplingConfig
 from .speculative import sample_loop
@@ -63,12 +63,7 @@ class SpeculativeDecoder:
                 raise ValueError(f"draft_confidence must be in (0, 1], got {draft_confidence}")
             if not gamma:
                 raise ValueError("draft_confidence needs gamma > 0 (it ends drafts early)")
-        if draft_cond_scale is not None:
-            draft_cond_scale = check_float("draft_cond_scale", draft_cond_scale)
-            if draft_cond_scale < 1:
-                raise ValueError(f"draft_cond_scale must be >= 1, got {draft_cond_scale}")
-            if not gamma or cond_scale == 1:
-                raise ValueError("draft_cond_scale needs gamma > 0 and cond_scale > 1 (it guides the draft)")
+        draft_cond_scale = check_draft_cond_scale(draft_cond_scale, cond_scale, gamma)
         temperature = check_float("temperature", temperature)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from ._upstream import TextToSemantic
 from .api import SpeculativeDecoder
-from .inputs import check_common, check_float, check_int, prepare_source
+from .inputs import check_common, check_draft_cond_scale, check_float, check_int, prepare_source
 from .sampling import cfg_mix
 
 LOSSES = ("tv", "kl")
@@ -84,13 +84,8 @@ def distill_exit_head(
         check_int(name, value, minimum)
     lr, holdout = check_float("lr", lr), check_float("holdout", holdout)
     _, cond_scale = check_common(model, max_length=seq_len, cond_scale=cond_scale)
-    draft_scale = cond_scale
-    if draft_cond_scale is not None:
-        draft_scale = check_float("draft_cond_scale", draft_cond_scale)
-        if draft_scale < 1:
-            raise ValueError(f"draft_cond_scale must be >= 1, got {draft_scale}")
-        if cond_scale == 1:
-            raise ValueError("draft_cond_scale needs cond_scale > 1 (it guides the draft)")
+    draft_scale = check_draft_cond_scale(draft_cond_scale, cond_scale)
+    draft_scale = cond_scale if draft_scale is None else draft_scale
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     if not 0 <= holdout < 1:
@@ -183,6 +178,7 @@ def _record(dec: SpeculativeDecoder, sources: Tensor, seq_len: int, chunk: int, 
     inner, exit_layer = dec.decoder, dec.decoder.exit_layer
     device = inner.device
     sample_gen = torch.Generator(device=device).manual_seed(seed)
+    guided = cond_scale > 1
     states, log_p, seq_of = [], [], []
     for first in tqdm(range(0, len(sources), chunk), desc="sample the target", disable=not progress,
                       dynamic_ncols=True):
@@ -193,7 +189,6 @@ def _record(dec: SpeculativeDecoder, sources: Tensor, seq_len: int, chunk: int, 
         tokens = torch.zeros(len(src), int(lengths.max().clamp(min=1)), dtype=torch.long, device=device)
         for i, t in enumerate(sampled.tokens):
             tokens[i, : len(t)] = t
-        guided = cond_scale > 1
         inner.begin()
         enc = inner.encode(src, guided)
         cache = inner.new_cache(enc.rows, tokens.shape[1] + 1)

@@ -65,6 +65,20 @@ def check_float(name: str, value: object) -> float:
     return float(value)
 
 
+def check_draft_cond_scale(value: object, cond_scale: float, gamma: int | None = None) -> float | None:
+    """`draft_cond_scale`: None, or a scale >= 1 for a draft that is guided (cond_scale > 1, and gamma > 0
+    where the caller drafts only then; gamma None: it always drafts)."""
+    if value is None:
+        return None
+    value = check_float("draft_cond_scale", value)
+    if value < 1:
+        raise ValueError(f"draft_cond_scale must be >= 1, got {value}")
+    if cond_scale == 1 or gamma == 0:
+        needs = "cond_scale > 1" if gamma is None else "gamma > 0 and cond_scale > 1"
+        raise ValueError(f"draft_cond_scale needs {needs} (it guides the draft)")
+    return value
+
+
 def check_common(model: TextToSemantic, *, max_length: object, cond_scale: object) -> tuple[int, float]:
     max_length = check_int("max_length", max_length, 1)
     cond_scale = check_float("cond_scale", cond_scale)
