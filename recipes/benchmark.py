@@ -7,6 +7,13 @@ measured within this run. Speed claims come from here, never from unit tests.
     python recipes/benchmark.py                      # issue-2 reference model (random init), batch 1
     python recipes/benchmark.py --model default      # the shipped checkpoint (trained exit head)
     python recipes/benchmark.py --json bench.json --reps 5 --threads 2
+    python recipes/benchmark.py --model default --sentences 10 --count-ops   # torch ops per token instead
+
+--count-ops times nothing: it runs every mode --reps times on torch's path (the GPU's path: the CPU kernels
+off) and counts the torch ops dispatched per generated token. Where each op costs the host a launch of
+a few microseconds, as on a GPU at batch 1 with this small model, a decode runs at the pace of its ops,
+so the ratio of op counts is the speedup that such a machine can approach (the H100 run in the README
+reached 0.83-0.97 of it). A ceiling, not a measured speed.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -210,6 +218,57 @@ def measure(modes: list[Mode], reps: int) -> None:
         print(f"  repetition {rep + 1}/{reps} done", file=sys.stderr)
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it; `compute` leaves out views, which launch nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.compute = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops += 1
+        self.compute += not (func.is_view or func is torch.ops.aten._unsafe_view.default)
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(modes: list[Mode], reps: int) -> list[dict]:
+    """Each mode `reps` times on torch's path (after a warm-up run that prepares weights): ops per
+    generated token over all reps, and the ratio of its baseline's count to its own."""
+    from tts_specdec import kernels
+
+    kernels.ENABLED = False  # read when a decode call prepares its weights
+    rows = {}
+    for mode in modes:
+        mode.run()
+        tokens, passes = 0, 0
+        with _OpCounter() as counter:
+            for _ in range(reps):
+                n, stats = mode.run()
+                tokens += n
+                passes += stats.target_passes if stats is not None and stats.gamma else 0
+        rows[mode.name] = row = {"mode": mode.name, "tokens": tokens, "ops_per_token": counter.ops / tokens,
+                                 "compute_ops_per_token": counter.compute / tokens}
+        if passes:
+            row["tokens_per_target_pass"] = tokens / passes
+        base = rows.get(mode.baseline) if mode.baseline else None
+        if base is not None:
+            row["vs"] = mode.baseline
+            row["ops_ratio"] = base["ops_per_token"] / row["ops_per_token"]
+            row["compute_ops_ratio"] = base["compute_ops_per_token"] / row["compute_ops_per_token"]
+        print(f"  counted {mode.name}", file=sys.stderr)
+    return list(rows.values())
+
+
+def print_counts(result: dict) -> None:
+    print(f"\n{result['setup']}\ntorch ops per generated token on torch's path (CPU kernels off); "
+          "ratio = the baseline's count / the mode's")
+    print(f"\n{'mode':48s} {'ops/tok':>8s} {'compute':>8s} {'ratio':>22s} {'tok/pass':>8s}")
+    for r in result["rows"]:
+        ratio = f"{r['ops_ratio']:.2f}x ({r['compute_ops_ratio']:.2f}x) vs {r['vs'][:6]}" if "vs" in r else ""
+        per_pass = f"{r['tokens_per_target_pass']:.2f}" if "tokens_per_target_pass" in r else ""
+        print(f"{r['mode']:48s} {r['ops_per_token']:8.0f} {r['compute_ops_per_token']:8.0f} {ratio:>22s} {per_pass:>8s}")
+
+
 def cost_ratio(modes: list[Mode]) -> float | None:
     """c = time of one draft step / time of one plain target step, from this run's own stats."""
     plain = next((m for m in modes if m.name == "ours greedy"), None)
@@ -330,6 +389,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--distill-steps", type=int, default=300, help="reference model: exit-head distillation steps")
     p.add_argument("--skip-upstream-beam", action="store_true", help="skip spear-tts beam search (slowest row)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="count torch ops per token on torch's path instead of timing (see above)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.reps < 1:
@@ -344,9 +405,15 @@ def main(argv: list[str] | None = None) -> dict:
     setup = (reference_model(args.seed, args.device, args.distill_steps) if args.model == "reference"
              else default_model(args.device, args.checkpoint, args.batch, args.sentences))
     modes = build_modes(setup, args)
-    measure(modes, args.reps)
-    result = report(setup, modes, args)
-    print_table(result)
+    if args.count_ops:
+        rows = count_ops(modes, args.reps)
+        result = {"machine": machine_info(args.device), "setup": setup.description, "gamma": args.gamma,
+                  "counted": "torch ops per generated token, torch's path", "rows": rows}
+        print_counts(result)
+    else:
+        measure(modes, args.reps)
+        result = report(setup, modes, args)
+        print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
         print(f"\nwrote {args.json}")
