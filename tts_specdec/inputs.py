@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 from typing import Iterator, Sequence
 
@@ -62,6 +63,8 @@ def check_int(name: str, value: object, minimum: int) -> int:
 def check_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):  # NaN passes every range check written as a comparison
+        raise ValueError(f"{name} must be finite, got {value}")
     return float(value)
 
 
