@@ -98,3 +98,22 @@ def test_grow_keeps_contents_and_at_least_doubles():
     assert torch.equal(cache.k[:, :, :, :5], k[:, :, :, :5]) and torch.equal(cache.v[:, :, :, :5], v[:, :, :, :5])
     keys, _ = cache.write(0, torch.ones(ROWS, HEADS, 1, DIM, dtype=torch.float64), v[0, :, :, :1], 30)
     assert keys.shape[2] == 31 and torch.equal(keys[:, :, :5], k[0, :, :, :5])
+
+
+@pytest.mark.parametrize("change", ["grow", "fewer rows", "more rows"])
+def test_writes_land_in_the_buffers_after_they_are_replaced(change):
+    # grow and row-changing reorders allocate new K/V; each layer's write must go to the new ones
+    cache = filled()
+    if change == "grow":
+        cache.grow(4 * CAP)
+    else:
+        cache.reorder(torch.tensor([2, 0] if change == "fewer rows" else [0, 1, 2, 3, 3, 1]))
+    rows = cache.rows
+    k = torch.full((rows, HEADS, 1, DIM), 3.0, dtype=torch.float64)
+    for layer in range(LAYERS):
+        keys, values = cache.write(layer, k, -k, 6)
+        assert torch.equal(cache.k[layer, :, :, 6:7], k) and torch.equal(cache.v[layer, :, :, 6:7], -k)
+        assert torch.equal(keys, cache.k[layer, :, :, :7]) and torch.equal(values, cache.v[layer, :, :, :7])
+    ragged = torch.arange(rows) % 3
+    cache.write(1, k, -k, ragged)
+    assert all(torch.equal(cache.k[1, r, :, int(ragged[r])], k[r, :, 0]) for r in range(rows))

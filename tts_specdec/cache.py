@@ -32,6 +32,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.high = 0  # one past the highest position ever written: bounds reorder copies
+        self._per_layer()
 
     @property
     def rows(self) -> int:
@@ -51,18 +52,19 @@ class KVCache:
         position, ready for attention.
         """
         n = k.shape[2]
+        k_layer, v_layer = self._k_layers[layer], self._v_layers[layer]
         if isinstance(start, int):
             end = start + n
-            self.k[layer, :, :, start:end] = k
-            self.v[layer, :, :, start:end] = v
+            k_layer[:, :, start:end] = k
+            v_layer[:, :, start:end] = v
         else:
             end = int(start.max()) + n
             pos = start[:, None] + torch.arange(n, device=start.device)  # (rows, n)
             row = torch.arange(k.shape[0], device=start.device)[:, None].expand_as(pos)
-            self.k[layer][row, :, pos] = k.transpose(1, 2)
-            self.v[layer][row, :, pos] = v.transpose(1, 2)
+            k_layer[row, :, pos] = k.transpose(1, 2)
+            v_layer[row, :, pos] = v.transpose(1, 2)
         self.high = max(self.high, end)
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return k_layer[:, :, :end], v_layer[:, :, :end]
 
     def buffers(self, end: int) -> tuple[Tensor, Tensor]:
         """The whole K and V buffers (layers, rows, kv_heads, capacity, dim_head), for a kernel that
@@ -92,6 +94,7 @@ class KVCache:
         else:
             self.k = self._gathered(self.k, index, high)
             self.v = self._gathered(self.v, index, high)
+            self._per_layer()
         self.lengths = self.lengths[index]
 
     def move_slots(self, rows: Tensor, src: Tensor, dst: Tensor) -> None:
@@ -117,8 +120,14 @@ class KVCache:
             new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
             new[:, :, :, : self.high] = old[:, :, :, : self.high]
             setattr(self, name, new)
+        self._per_layer()
 
     # ---- helpers -------------------------------------------------------------------------------
+
+    def _per_layer(self) -> None:
+        # each layer's view, made once per buffer: indexing self.k[layer] on every write costs two
+        # small ops per layer and step (host time per op is what a GPU decode step is bound by)
+        self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)
 
     @staticmethod
     def _gathered(t: Tensor, index: Tensor, high: int) -> Tensor:
