@@ -13,7 +13,7 @@ measured within this run. Speed claims come from here, never from unit tests.
 off) and counts the torch ops dispatched per generated token. Where each op costs the host a launch of
 a few microseconds, as on a GPU at batch 1 with this small model, a decode runs at the pace of its ops,
 so the ratio of op counts is the speedup that such a machine can approach (the H100 run in the README
-reached 0.83-0.97 of it). A ceiling, not a measured speed.
+reached 0.81-0.98 of it). A ceiling, not a measured speed.
 """
 
 from __future__ import annotations

@@ -170,10 +170,9 @@ def _draft_steps(
     the drafts (seqs, drafts) and each sequence's proposed count (None: all)."""
     exits, q, drafts = [], [], []
     # the stopping rule runs on the host: one copy per step instead of ~7 small ops (a GPU's pace here);
-    # the step already waited for the device to know whether any row still drafts
-    limit: list[int] | None = None
-    if draft_confidence is not None:
-        limit, drafting = [gamma] * len(pos_t), list(range(len(pos_t)))
+    # the step already waited for the device to know whether any row still drafts. A row drafts while
+    # its limit is gamma, as in the C++ draft (one stopping at the last draft ends the loop anyway).
+    limit = None if draft_confidence is None else [gamma] * len(pos_t)
     for d in range(gamma):
         h = dec.run(x, start + d, trunk, enc, cache)
         exits.append(h)
@@ -187,11 +186,10 @@ def _draft_steps(
         x = dec.embed(token[:, None], guide.on)
         if limit is not None:
             q_x = draft_logits.softmax(-1).amax(-1) if cfg.greedy else q[-1].gather(-1, token[:, None])[:, 0]
-            probs = q_x.tolist()  # exact values against the float threshold, as the C++ draft compares
-            for r in [r for r in drafting if probs[r] < draft_confidence]:
-                limit[r] = d + 1
-                drafting.remove(r)
-            if not drafting:
+            for r, prob in enumerate(q_x.tolist()):  # exact values against the float, as the C++ draft
+                if limit[r] == gamma and prob < draft_confidence:
+                    limit[r] = d + 1
+            if gamma not in limit:
                 break
     exits.append(dec.run(x, start + len(drafts), trunk, enc, cache))
     q_t = torch.stack(q, dim=1) if q else None
