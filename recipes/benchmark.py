@@ -2,7 +2,10 @@
 
 All modes run in one process on the same model and inputs, in interleaved repetitions (mode A, B, C,
 A, B, C, ...) so that machine noise hits them alike; the table reports median tokens/s and ratios
-measured within this run. Speed claims come from here, never from unit tests.
+measured within this run. Speed claims come from here, never from unit tests. Speculative rows also
+show alpha, the measured cost c of a draft step and v of a verify pass (both in plain target steps),
+Leviathan et al.'s bound (v = 1), the bound at the measured v, and the bound at v with every draft
+accepted: the most any draft of this cost could give on this machine.
 
     python recipes/benchmark.py                      # issue-2 reference model (random init), batch 1
     python recipes/benchmark.py --model default      # the shipped checkpoint (trained exit head)
@@ -269,22 +272,39 @@ def print_counts(result: dict) -> None:
         print(f"{r['mode']:48s} {r['ops_per_token']:8.0f} {r['compute_ops_per_token']:8.0f} {ratio:>22s} {per_pass:>8s}")
 
 
+def _plain_step(modes: list[Mode]) -> float | None:
+    """Seconds per plain target step (our greedy: one step per token, every layer), this run's own stats."""
+    plain = next((m for m in modes if m.name == "ours greedy"), None)
+    if not plain or not plain.stats or not plain.stats.steps:
+        return None
+    return plain.stats.wall_time / plain.stats.steps
+
+
 def cost_ratio(modes: list[Mode]) -> float | None:
     """c = time of one draft step / time of one plain target step, from this run's own stats."""
-    plain = next((m for m in modes if m.name == "ours greedy"), None)
+    target_step = _plain_step(modes)
     spec = next((m for m in modes if m.name.startswith("ours speculative greedy")), None)
-    if not plain or not spec or not plain.stats or not spec.stats or not spec.stats.draft_passes:
+    if target_step is None or not spec or not spec.stats or not spec.stats.draft_passes:
         return None
-    target_step = plain.stats.wall_time / plain.stats.steps
-    draft_step = spec.stats.draft_time / spec.stats.draft_passes
-    return draft_step / target_step
+    return spec.stats.draft_time / spec.stats.draft_passes / target_step
 
 
-def leviathan_bound(alpha: float, gamma: int, c: float) -> float:
-    """Expected walltime improvement (Leviathan et al. 2022, Theorem 3.8)."""
-    if alpha >= 1:
-        return (gamma + 1) / (gamma * c + 1)
-    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+def verify_ratio(stats: DecodeStats, target_step: float | None) -> float | None:
+    """v = time of one verify pass (layers E+1..L on the drafted positions, target head, accept rule) /
+    time of one plain target step. Leviathan et al.'s bound takes v = 1: verifying gamma + 1 tokens costs
+    one step, true where a step is bound by reading weights or launching kernels, not by arithmetic."""
+    if target_step is None or not stats.target_passes:
+        return None
+    return stats.verify_time / stats.target_passes / target_step
+
+
+def leviathan_bound(alpha: float, gamma: int, c: float, v: float = 1.0) -> float:
+    """Expected walltime improvement (Leviathan et al. 2022, Theorem 3.8) for a draft step costing c
+    target steps; v != 1 generalises it to a verify pass costing v target steps (their v = 1)."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + v)
 
 
 def machine_info(device: str) -> dict:
@@ -308,7 +328,7 @@ def machine_info(device: str) -> dict:
 
 def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
     by_name = {m.name: m for m in modes}
-    c = cost_ratio(modes)
+    c, target_step = cost_ratio(modes), _plain_step(modes)
     rows = []
     for m in modes:
         row = {"mode": m.name, "tokens_per_s": m.tokens_per_s, "median_s": statistics.median(m.times),
@@ -321,8 +341,14 @@ def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
             if s.accepted_hist:
                 row.update(alpha=s.alpha, tokens_per_target_pass=s.tokens_per_target_pass,
                            accepted_hist=s.accepted_hist)
-                if c is not None and s.draft_confidence is None:  # the bound assumes a fixed gamma
+                v = verify_ratio(s, target_step)
+                if v is not None:
+                    row["verify_cost_v"] = v
+                if c is not None and s.draft_confidence is None:  # the bounds assume a fixed gamma
                     row["leviathan_bound"] = leviathan_bound(s.alpha, s.gamma, c)
+                    if v is not None:  # with this machine's verify cost; at alpha = 1: no draft can beat it
+                        row["bound_at_v"] = leviathan_bound(s.alpha, s.gamma, c, v)
+                        row["ceiling_alpha1_at_v"] = leviathan_bound(1.0, s.gamma, c, v)
             if s.committed_hist:
                 row.update(steps_per_target_pass=s.steps_per_target_pass, committed_hist=s.committed_hist)
         rows.append(row)
@@ -344,14 +370,22 @@ def print_table(result: dict) -> None:
               f"cond_scale {result.get('cond_scale')}")
     if result["cost_ratio_c"] is not None:
         print(f"measured draft/target step cost ratio c = {result['cost_ratio_c']:.3f}")
-    print(f"\n{'mode':48s} {'tok/s':>9s} {'speedup':>20s} {'alpha':>6s} {'tok/pass':>8s} {'bound':>6s}")
+        print("bound: Leviathan et al.'s (a verify pass costs one target step); v: a verify pass's measured cost "
+              "in target steps; at v: the bound with that cost; a=1 at v: the same with every draft accepted")
+    print(f"\n{'mode':48s} {'tok/s':>9s} {'speedup':>20s} {'alpha':>6s} {'tok/pass':>8s} {'bound':>6s} {'v':>5s} "
+          f"{'at v':>5s} {'a=1 at v':>8s}")
+
+    def num(r: dict, key: str, width: int) -> str:
+        return f"{r[key]:{width}.2f}" if key in r else " " * width
+
     for r in result["rows"]:
         speed = f"{r['speedup']:.2f}x vs {r['vs'][:11]}" if "speedup" in r else ""
         alpha = f"{r['alpha']:.3f}" if "alpha" in r else ""
         per_pass = r.get("tokens_per_target_pass", r.get("steps_per_target_pass"))
         per_pass = f"{per_pass:.2f}" if per_pass is not None else ""
-        bound = f"{r['leviathan_bound']:.2f}" if "leviathan_bound" in r else ""
-        print(f"{r['mode']:48s} {r['tokens_per_s']:9.1f} {speed:>20s} {alpha:>6s} {per_pass:>8s} {bound:>6s}")
+        print(f"{r['mode']:48s} {r['tokens_per_s']:9.1f} {speed:>20s} {alpha:>6s} {per_pass:>8s} "
+              f"{num(r, 'leviathan_bound', 6)} {num(r, 'verify_cost_v', 5)} {num(r, 'bound_at_v', 5)} "
+              f"{num(r, 'ceiling_alpha1_at_v', 8)}")
         for key in ("accepted_hist", "committed_hist"):
             if key in r:
                 print(f"{'':48s}   {key}: {r[key]}")

@@ -1,0 +1,44 @@
+"""recipes/benchmark.py's bounds: Leviathan et al.'s expected improvement and its verify-cost form."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tts_specdec.results import DecodeStats
+
+_spec = importlib.util.spec_from_file_location("benchmark", Path(__file__).resolve().parents[1] / "recipes/benchmark.py")
+benchmark = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("benchmark", benchmark)  # its dataclasses look their module up there
+_spec.loader.exec_module(benchmark)
+
+
+def test_bound_is_leviathans_closed_form_at_unit_verify_cost():
+    alpha, gamma, c = 0.8, 4, 0.25
+    expected = (1 - alpha**5) / ((1 - alpha) * (gamma * c + 1))
+    assert benchmark.leviathan_bound(alpha, gamma, c) == pytest.approx(expected, rel=1e-12)
+    assert benchmark.leviathan_bound(alpha, gamma, c, 1.0) == pytest.approx(expected, rel=1e-12)
+
+
+def test_bound_extremes_and_verify_cost():
+    # every draft accepted: gamma + 1 tokens per cycle; none: one token per cycle
+    assert benchmark.leviathan_bound(1.0, 4, 0.25, 3.0) == pytest.approx(5 / 4.0)
+    assert benchmark.leviathan_bound(0.0, 4, 0.25, 3.0) == pytest.approx(1 / 4.0)
+    # the bound is continuous at alpha -> 1 and scales as 1 / (gamma c + v)
+    assert benchmark.leviathan_bound(1 - 1e-9, 6, 0.1) == pytest.approx(benchmark.leviathan_bound(1.0, 6, 0.1), rel=1e-6)
+    assert benchmark.leviathan_bound(0.9, 3, 0.2, 2.6) == pytest.approx(
+        benchmark.leviathan_bound(0.9, 3, 0.2) * 1.6 / 3.2, rel=1e-12)
+
+
+@pytest.mark.parametrize("alpha", [-0.1, 1.5])
+def test_bound_rejects_alpha_outside_unit_interval(alpha):
+    with pytest.raises(ValueError, match="alpha"):
+        benchmark.leviathan_bound(alpha, 4, 0.2)
+
+
+def test_verify_ratio_is_verify_time_per_pass_over_a_plain_step():
+    stats = DecodeStats(target_passes=10, verify_time=0.03)
+    assert benchmark.verify_ratio(stats, 0.001) == pytest.approx(3.0)
+    assert benchmark.verify_ratio(stats, None) is None
+    assert benchmark.verify_ratio(DecodeStats(), 0.001) is None
