@@ -441,7 +441,10 @@ def main(argv: list[str] | None = None) -> dict:
     modes = build_modes(setup, args)
     if args.count_ops:
         rows = count_ops(modes, args.reps)
-        result = {"machine": machine_info(args.device), "setup": setup.description, "gamma": args.gamma,
+        machine = machine_info(args.device)
+        if "small_product_kernel" in machine:  # count_ops switched the kernels off, not the environment
+            machine["small_product_kernel"] = "off for --count-ops (torch's path is what is counted)"
+        result = {"machine": machine, "setup": setup.description, "gamma": args.gamma,
                   "counted": "torch ops per generated token, torch's path", "rows": rows}
         print_counts(result)
     else:
