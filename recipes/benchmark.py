@@ -280,9 +280,8 @@ def _plain_step(modes: list[Mode]) -> float | None:
     return plain.stats.wall_time / plain.stats.steps
 
 
-def cost_ratio(modes: list[Mode]) -> float | None:
-    """c = time of one draft step / time of one plain target step, from this run's own stats."""
-    target_step = _plain_step(modes)
+def cost_ratio(modes: list[Mode], target_step: float | None) -> float | None:
+    """c = time of one draft step / `target_step` (`_plain_step`), from this run's own stats."""
     spec = next((m for m in modes if m.name.startswith("ours speculative greedy")), None)
     if target_step is None or not spec or not spec.stats or not spec.stats.draft_passes:
         return None
@@ -328,7 +327,8 @@ def machine_info(device: str) -> dict:
 
 def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
     by_name = {m.name: m for m in modes}
-    c, target_step = cost_ratio(modes), _plain_step(modes)
+    target_step = _plain_step(modes)
+    c = cost_ratio(modes, target_step)
     rows = []
     for m in modes:
         row = {"mode": m.name, "tokens_per_s": m.tokens_per_s, "median_s": statistics.median(m.times),

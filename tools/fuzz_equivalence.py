@@ -37,8 +37,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def model_config(rng: random.Random) -> dict:
     depth = rng.randint(2, 6)
-    heads = rng.choice([1, 2, 4])
-    return dict(dim=rng.choice([16, 32, 48]), heads=heads, dim_head=rng.choice([8, 16, 24]),
+    return dict(dim=rng.choice([16, 32, 48]), heads=rng.choice([1, 2, 4]), dim_head=rng.choice([8, 16, 24]),
                 kv_heads=rng.choice([None, 1]), target_depth=depth, exit_layer=rng.randint(1, depth),
                 eos=rng.random() < 0.8, semantic_vocab=rng.choice([5, 12, 40]), std=rng.choice([0.3, 0.5, 1.0]),
                 source_depth=rng.randint(1, 2), cond_drop_prob=0.1)
@@ -100,8 +99,6 @@ def main() -> int:
     while time.time() < end:
         cases += 1
         cfg, seed = model_config(rng), rng.randint(0, 10**6)
-        if cfg["kv_heads"] and cfg["heads"] % cfg["kv_heads"]:
-            cfg["kv_heads"] = None
         batch, width = rng.randint(1, 5), rng.randint(1, 9)
         lengths = [rng.randint(1, width) for _ in range(batch)]
         src = make_source(batch, width, seed=seed, lengths=lengths)
