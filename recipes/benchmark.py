@@ -80,16 +80,25 @@ def reference_model(seed: int, device: str, distill_steps: int) -> Setup:
     return Setup(model, [source], [200], f"random-init reference model (issue 2), exit head distilled {distill_steps} steps")
 
 
-def default_model(device: str, checkpoint: Path | None = None, batch: int = 1, sentences: int = 1) -> Setup:
+def default_model(
+    device: str, checkpoint: Path | None = None, batch: int = 1, sentences: int = 1, widen: list[int] | None = None
+) -> Setup:
     """The shipped checkpoint (or another speech checkpoint directory) on held-out-style sentences:
-    one batch of `batch` fixed sentences, or `sentences` > 1 held-out corpus sentences one at a time."""
-    from tts_specdec.speech import load_speech_model
-    from tts_specdec.speech.pipeline import default_max_length
+    one batch of `batch` fixed sentences, or `sentences` > 1 held-out corpus sentences one at a time.
+    widen: [dim, heads] or [dim, heads, depth]: the same function at that size (`tts_specdec.widen`)."""
+    from tts_specdec.speech.checkpoint import load_checkpoint
+    from tts_specdec.speech.pipeline import ASSETS, default_max_length
     from tts_specdec.speech.references import heldout_sentences
+    from tts_specdec.widen import widen as widened
 
-    bundle = load_speech_model(checkpoint)
-    model = bundle.model.to(device).eval()
+    ckpt = load_checkpoint(checkpoint or ASSETS)
     name = f"checkpoint {checkpoint}" if checkpoint else "shipped checkpoint"
+    if widen:
+        ckpt = widened(ckpt, *widen)
+        params = sum(p.numel() for p in ckpt.model.parameters()) / 1e6
+        name += (f" widened function-preservingly to dim {ckpt.config.dim}, {ckpt.config.heads} heads, "
+                 f"{ckpt.config.target_depth} target layers ({params:.0f}M parameters)")
+    model = ckpt.model.to(device).eval()
     if sentences > 1:
         texts = heldout_sentences(sentences)
         sources = [model.tokenizer_encode([t]).to(device) for t in texts]
@@ -395,6 +404,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["reference", "default"], default="reference")
     p.add_argument("--checkpoint", type=Path, help="with --model default: a speech checkpoint directory")
+    p.add_argument("--widen", type=int, nargs="+", metavar="N",
+                   help="with --model default: DIM HEADS [DEPTH]: the checkpoint widened function-preservingly "
+                        "(tts_specdec.widen), a realistic size with the same outputs")
     p.add_argument("--batch", type=int, default=1, help="with --model default: sentences per batch (1-4)")
     p.add_argument("--sentences", type=int, default=1,
                    help="with --model default: decode this many held-out corpus sentences one at a time (batch 1)")
@@ -436,8 +448,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     if args.sentences > 1 and (args.model != "default" or args.batch != 1):
         p.error("--sentences > 1 needs --model default and --batch 1")
-    setup = (reference_model(args.seed, args.device, args.distill_steps) if args.model == "reference"
-             else default_model(args.device, args.checkpoint, args.batch, args.sentences))
+    if args.widen and (args.model != "default" or len(args.widen) not in (2, 3)):
+        p.error("--widen takes DIM HEADS [DEPTH] and needs --model default")
+    try:
+        setup = (reference_model(args.seed, args.device, args.distill_steps) if args.model == "reference"
+                 else default_model(args.device, args.checkpoint, args.batch, args.sentences, args.widen))
+    except ValueError as e:
+        p.error(str(e))
     modes = build_modes(setup, args)
     if args.count_ops:
         rows = count_ops(modes, args.reps)
