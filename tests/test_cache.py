@@ -117,3 +117,32 @@ def test_writes_land_in_the_buffers_after_they_are_replaced(change):
     ragged = torch.arange(rows) % 3
     cache.write(1, k, -k, ragged)
     assert all(torch.equal(cache.k[1, r, :, int(ragged[r])], k[r, :, 0]) for r in range(rows))
+
+
+def test_by_reference_reorder_moves_table_entries_not_values():
+    """A cache by reference: a reorder (and a dropped row) changes which storage each row reads, never the
+    K/V; reads through the table equal a cache by value after the same steps; verbs that would write a
+    slot another row still reads raise."""
+    caches = [KVCache(LAYERS, ROWS, HEADS, DIM, CAP, dtype=torch.float64, device=torch.device("cpu"), by_reference=ref)
+              for ref in (False, True)]
+    g = torch.Generator().manual_seed(1)
+    for t, index in enumerate([[1, 1, 3, 0], [2, 2, 0, 3], [0, 3, 1]]):  # the last drops a row
+        k = torch.randn(caches[0].rows, HEADS, 1, DIM, generator=g, dtype=torch.float64)
+        caches[1].claim(t, 1)
+        for cache in caches:
+            cache.write(0, k, -k, t)
+        stored = caches[1].k.clone()
+        for cache in caches:
+            cache.reorder(torch.tensor(index))
+        assert torch.equal(caches[1].k, stored)  # nothing moved
+    k, v = torch.ones(3, HEADS, 1, DIM, dtype=torch.float64), torch.zeros(3, HEADS, 1, DIM, dtype=torch.float64)
+    caches[1].claim(3, 1)
+    outs = [cache.write(0, k, v, 3) for cache in caches]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert caches[1].rows == 3 and caches[1].k.shape[1] == ROWS  # storage rows stay put
+    caches[1].grow(2 * CAP)
+    assert caches[1].table.shape == (3, 2 * CAP)
+    with pytest.raises(ValueError, match="by value"):
+        caches[1].move_slots(torch.tensor([0]), torch.tensor([[0]]), torch.tensor([[1]]))
+    with pytest.raises(ValueError, match="gain rows"):
+        caches[1].reorder(torch.tensor([0, 0, 1, 1, 2]))

@@ -281,3 +281,32 @@ def test_cuda_incremental_logits_equal_forward(dtype):
         dec, enc, cache, x = setup(model, source.cuda(), target.cuda())
         logits = dec.target_logits(run_chunks(dec, enc, cache, x, [1, 4, 5])).cpu()
     assert rel_err(logits, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@torch.no_grad()
+def test_cache_by_reference_equals_cache_by_value(dtype, layout):
+    """Beam search's cache moves slot-table entries on a reorder, not K/V: stepping beams in lockstep
+    through random reorders (items dropped too) gives the same hidden states as a cache that copies."""
+    model = make_model(seed=3, dtype=dtype, std=STD[dtype])
+    dec = Decoder(model)
+    dec.begin()
+    enc = dec.encode(make_source(2, 6, seed=2)).select(torch.arange(2).repeat_interleave(3))  # 2 items x 3 beams
+    caches = [dec.new_cache(enc.rows, 3, by_reference=by_ref) for by_ref in (False, True)]
+    g = torch.Generator().manual_seed(4)
+    x = dec.start(enc.rows)
+    for t in range(8):
+        for cache in caches:
+            cache.grow(t + 1)
+        h = [dec.run(x, t, range(dec.depth), enc, cache) for cache in caches]
+        assert torch.equal(h[0], h[1]), t
+        rows = x.shape[0]
+        if t == 5:  # the first item finishes: its rows are dropped
+            index = torch.randint(3, 6, (3,), generator=g)
+            enc = enc.select(torch.arange(3, 6))
+        else:
+            index = torch.cat([torch.randint(i, i + 3, (3,), generator=g) for i in range(0, rows, 3)])
+        for cache in caches:
+            cache.reorder(index)
+        x = dec.embed(torch.randint(0, 13, (index.numel(), 1), generator=g))
+    assert not torch.equal(caches[1].table, torch.arange(3)[:, None].expand_as(caches[1].table))  # rows share storage

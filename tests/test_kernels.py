@@ -266,7 +266,8 @@ def test_stack_rejects_bad_arguments():
     enc = torch.randn(2, rows, h, S, d)
     x = torch.randn(rows * n, dim)
     args = lambda **kw: {**dict(x=x, layers=range(2), cos=cos, sin=sin, pos=slots, slots=slots, k_all=k_all,  # noqa: E731
-                                v_all=v_all, mask=None, keys=2, enc_keys=enc, enc_values=enc, cross_mask=None), **kw}
+                                v_all=v_all, table=None, mask=None, keys=2, enc_keys=enc, enc_values=enc,
+                                cross_mask=None), **kw}
     assert stack.run(**args()).shape == (rows * n, dim)
     with pytest.raises(RuntimeError, match="outside"):
         stack.run(**args(layers=range(1, 3)))
@@ -282,6 +283,12 @@ def test_stack_rejects_bad_arguments():
         stack.run(**args(enc_keys=enc[:, :, :1]))
     with pytest.raises(RuntimeError, match="mask"):
         stack.run(**args(mask=torch.zeros(1, n, 3)))
+    # a slot table: (rows, capacity) naming cache rows that exist
+    assert stack.run(**args(table=torch.zeros(rows, cap, dtype=torch.long))).shape == (rows * n, dim)
+    with pytest.raises(RuntimeError, match="table"):
+        stack.run(**args(table=torch.ones(rows, cap, dtype=torch.long)))
+    with pytest.raises(RuntimeError, match="table"):
+        stack.run(**args(table=torch.zeros(rows, cap - 1, dtype=torch.long)))
 
 
 def test_fingerprint_sees_every_change():

@@ -49,6 +49,7 @@ def test_logits_equal_the_original(shipped, wide):
 
 
 
+@torch.no_grad()
 def test_draft_logits_equal_the_original(shipped, wide):
     """The early-exit head (the draft) keeps its function too, so acceptance is the shipped model's."""
     source = shipped.model.tokenizer_encode(TEXTS)

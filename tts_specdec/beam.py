@@ -181,7 +181,8 @@ def beam_search_loop(
     batch, k = source.shape[0], beam_size
     guided = cond_scale > 1
     enc = encode_beams(dec, source, k, guided)
-    cache = dec.new_cache(enc.rows, min(max_length, 256) + 1)
+    # by reference: a beam step reorders slot tables, never K/V (every row writes slot t at step t)
+    cache = dec.new_cache(enc.rows, min(max_length, 256) + 1, by_reference=True)
     state = BeamState.initial(batch, k, length_penalty, dec.eos_id, source.device)
     layers = range(dec.depth)
     x = dec.start(enc.rows)

@@ -3,6 +3,12 @@
 Rows are independent sequences (batch items, beams, CFG halves). Positions beyond a row's committed
 length may hold stale K/V from rejected drafts; the decoder never attends past a query's own position,
 so rollback is only a length change (`crop`) and the stale slots are overwritten by the next write.
+
+By reference (`by_reference=True`, beam search): a slot table (rows, capacity) says which storage row
+each row reads each slot from, so `reorder` moves table entries instead of K/V (beams share their common
+prefix's storage, and a beam step copies nothing). Writes always go to the row's own storage, so this is
+exact only while no slot that another row still reads is written again: true when every row writes each
+slot once, in step (plain beam search), not for rollback or slot moves (those raise).
 """
 
 from __future__ import annotations
@@ -26,17 +32,20 @@ class KVCache:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        by_reference: bool = False,
     ) -> None:
         shape = (layers, rows, kv_heads, capacity, dim_head)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.high = 0  # one past the highest position ever written: bounds reorder copies
+        # by reference: the storage row each row reads each slot from (see the module docstring)
+        self.table = self._own(rows, capacity) if by_reference else None
         self._per_layer()
 
     @property
     def rows(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[1] if self.table is None else self.table.shape[0]
 
     @property
     def capacity(self) -> int:
@@ -51,20 +60,36 @@ class KVCache:
         LongTensor (rows,) for ragged rows. Returns this layer's K/V up to the furthest written
         position, ready for attention.
         """
-        n = k.shape[2]
+        n, rows = k.shape[2], k.shape[0]
         k_layer, v_layer = self._k_layers[layer], self._v_layers[layer]
         if isinstance(start, int):
             end = start + n
-            k_layer[:, :, start:end] = k
-            v_layer[:, :, start:end] = v
+            k_layer[:rows, :, start:end] = k
+            v_layer[:rows, :, start:end] = v
         else:
             end = int(start.max()) + n
             pos = start[:, None] + torch.arange(n, device=start.device)  # (rows, n)
-            row = torch.arange(k.shape[0], device=start.device)[:, None].expand_as(pos)
+            row = torch.arange(rows, device=start.device)[:, None].expand_as(pos)
             k_layer[row, :, pos] = k.transpose(1, 2)
             v_layer[row, :, pos] = v.transpose(1, 2)
         self.high = max(self.high, end)
+        if self.table is not None:  # each slot from the row the table names: (rows, kv_heads, end, d)
+            table = self.table[:, :end]
+            slot = torch.arange(end, device=table.device)
+            return k_layer[table, :, slot].transpose(1, 2), v_layer[table, :, slot].transpose(1, 2)
         return k_layer[:, :, :end], v_layer[:, :, :end]
+
+    def claim(self, start: int | Tensor, n: int) -> None:
+        """By reference: rows are about to write slots start..start+n-1 and read them from their own
+        storage from now on (a no-op for a cache without a table)."""
+        if self.table is None:
+            return
+        own = torch.arange(self.rows, device=self.table.device)[:, None]
+        if isinstance(start, int):
+            self.table[:, start : start + n] = own
+        else:
+            slots = start[:, None] + torch.arange(n, device=start.device)
+            self.table.scatter_(1, slots, own.expand_as(slots))
 
     def buffers(self, end: int) -> tuple[Tensor, Tensor]:
         """The whole K and V buffers (layers, rows, kv_heads, capacity, dim_head), for a kernel that
@@ -81,7 +106,11 @@ class KVCache:
     def reorder(self, index: Tensor) -> None:
         """Rows become `index` of the old rows (beam reordering, dropping finished rows)."""
         high = self.high
-        if index.numel() == self.rows and kernels.available(self.k.device, self.k.dtype):
+        if self.table is not None:
+            if index.numel() > self.k.shape[1]:
+                raise ValueError("a cache by reference cannot gain rows")
+            self.table = self.table[index]  # beams share storage; nothing is copied
+        elif index.numel() == self.rows and kernels.available(self.k.device, self.k.dtype):
             kernels.reorder_rows(self.k, index, high)  # one call instead of ~8 indexing kernels
             kernels.reorder_rows(self.v, index, high)
         elif index.numel() == self.rows:
@@ -102,6 +131,8 @@ class KVCache:
 
         Sources are gathered before anything is written, so overlapping src and dst are safe.
         """
+        if self.table is not None:
+            raise ValueError("move_slots needs a cache by value (by_reference=False)")
         r = rows[:, None].expand_as(src)
         self.k[:, r, :, dst] = self.k[:, r, :, src]
         self.v[:, r, :, dst] = self.v[:, r, :, src]
@@ -120,6 +151,10 @@ class KVCache:
             new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
             new[:, :, :, : self.high] = old[:, :, :, : self.high]
             setattr(self, name, new)
+        if self.table is not None:  # slots not yet written: each row's own (until written, never read)
+            table = self._own(self.table.shape[0], capacity)
+            table[:, : self.high] = self.table[:, : self.high]
+            self.table = table
         self._per_layer()
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -128,6 +163,9 @@ class KVCache:
         # each layer's view, made once per buffer: indexing self.k[layer] on every write costs two
         # small ops per layer and step (host time per op is what a GPU decode step is bound by)
         self._k_layers, self._v_layers = self.k.unbind(0), self.v.unbind(0)
+
+    def _own(self, rows: int, capacity: int) -> Tensor:
+        return torch.arange(rows, device=self.lengths.device)[:, None].repeat(1, capacity)
 
     @staticmethod
     def _gathered(t: Tensor, index: Tensor, high: int) -> Tensor:

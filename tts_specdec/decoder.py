@@ -197,10 +197,11 @@ class Decoder:
             return first
         return Decoder.per_row(pos, guided)
 
-    def new_cache(self, rows: int, capacity: int) -> KVCache:
+    def new_cache(self, rows: int, capacity: int, by_reference: bool = False) -> KVCache:
         self._ensure_rope(capacity)
         return KVCache(
-            self.depth, rows, self.kv_heads, self.dim_head, capacity, dtype=self.dtype, device=self.device
+            self.depth, rows, self.kv_heads, self.dim_head, capacity, dtype=self.dtype, device=self.device,
+            by_reference=by_reference,
         )
 
     def _rope_to(self, end: int, cache: KVCache) -> None:
@@ -320,6 +321,7 @@ class Decoder:
         end = (start if isinstance(start, int) else int(start.max())) + n  # one past the furthest slot
         rope_end = end if positions is None else max(end, int(positions.max()) + 1)
         self._rope_to(rope_end, cache)
+        cache.claim(start, n)
         cos_t, sin_t = self._rope
         weights = self._weights()
         if self._fused_attention and (real is None or not self._packs(rows, n, real)):
@@ -421,8 +423,8 @@ class Decoder:
                     mask = mask.contiguous()
         cross_mask = enc.cross_mask
         k_all, v_all = cache.buffers(end)
-        x = self._stack.run(x.reshape(rows * n, dim), layers, *self._rope, pos, slots, k_all, v_all, mask, end,
-                            enc.keys, enc.values, cross_mask)
+        x = self._stack.run(x.reshape(rows * n, dim), layers, *self._rope, pos, slots, k_all, v_all, cache.table, mask,
+                            end, enc.keys, enc.values, cross_mask)
         for i in layers:
             self.layer_evals[i] += rows * n
         return x.view(rows, n, dim)
@@ -514,6 +516,8 @@ class Decoder:
         """`kernels.decode_steps` from each row's pending input x (rows, 1, dim) at pos (seqs,)."""
         end = int(pos.max()) + steps + 1
         self._rope_to(end, cache)
+        if cache.table is not None:
+            raise ValueError("decode steps need a cache by value")
         k_all, v_all = cache.buffers(end)
         emb = self.model.token_emb[self.target_type].weight.detach()
         out = kernels.decode_steps(

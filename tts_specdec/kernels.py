@@ -150,15 +150,18 @@ class Stack:
 
     def run(
         self, x: Tensor, layers: range, cos: Tensor, sin: Tensor, pos: Tensor, slots: Tensor, k_all: Tensor,
-        v_all: Tensor, mask: Tensor | None, keys: int, enc_keys: Tensor, enc_values: Tensor, cross_mask: Tensor | None,
+        v_all: Tensor, table: Tensor | None, mask: Tensor | None, keys: int, enc_keys: Tensor, enc_values: Tensor,
+        cross_mask: Tensor | None,
     ) -> Tensor:
         """Layers `layers` (a contiguous range) on x (tokens, dim), each: normalised q/k/v product,
         `self_attention`, output product + residual, normalised cross q product, `cross_attention`,
         output product + residual, feed-forward (normalised input product, GEGLU output product + residual).
 
         pos/slots (rows, n) as in `self_attention`; k_all/v_all: the whole cache (layers, rows, kvh,
-        capacity, d); enc_keys/enc_values (layers, rows, h, S, d); cross_mask (rows, S) additive."""
-        return self._stack.run(x, layers.start, layers.stop, cos, sin, pos, slots, k_all, v_all, mask, keys,
+        capacity, d); table (rows, capacity) int64 or None: the cache row each slot is read from (a
+        `KVCache` by reference; the cache may then hold more rows than are decoded); enc_keys/enc_values
+        (layers, rows, h, S, d); cross_mask (rows, S) additive."""
+        return self._stack.run(x, layers.start, layers.stop, cos, sin, pos, slots, k_all, v_all, table, mask, keys,
                                enc_keys, enc_values, cross_mask)
 
 

@@ -82,33 +82,59 @@ namespace {
 
 // out[0 : 8W] = inv * sum_j w[j] V[j][0 : 8W], W vectors of accumulators (a compile-time count keeps them
 // in registers; a runtime one spilled them to the stack on every key).
-template <int W>
-inline void weighted_sum(const float* w, const float* V, int64_t ld, int64_t keys, float inv, float* out) {
+// Rows of K or V: key j at base + j * ld (contiguous slots), or read through a slot table (`CacheView`).
+struct Strided {
+  const float* base;
+  int64_t ld;
+  const float* operator()(int64_t j) const { return base + j * ld; }
+  Strided offset(int64_t t) const { return {base + t, ld}; }
+  void prefetch(int64_t, int64_t, int64_t) const {}  // consecutive slots: the hardware prefetcher follows
+};
+struct Tabled {
+  const float* base;  // row 0, this head, slot 0
+  int64_t ld, row;  // floats per slot, per cache row
+  const int64_t* table;  // physical row of each slot
+  const float* operator()(int64_t j) const { return base + table[j] * row + j * ld; }
+  Tabled offset(int64_t t) const { return {base + t, ld, row, table}; }
+  // slots of several rows: the hardware prefetcher cannot follow, so ask for key j's d floats ahead
+  void prefetch(int64_t j, int64_t keys, int64_t d) const {
+    if (j >= keys) return;
+    const char* p = reinterpret_cast<const char*>((*this)(j));
+    for (int64_t b = 0; b < d * int64_t(sizeof(float)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+  }
+};
+
+template <int W, typename Rows>
+inline void weighted_sum(const float* w, const Rows& V, int64_t keys, float inv, float* out) {
   __m256 a[W];
   for (int u = 0; u < W; ++u) a[u] = _mm256_setzero_ps();
   for (int64_t j = 0; j < keys; ++j) {
+    V.prefetch(j + 8, keys, 8 * W);
     const __m256 p = _mm256_set1_ps(w[j]);
-    const float* v = V + j * ld;
+    const float* v = V(j);
     for (int u = 0; u < W; ++u) a[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * u), a[u]);
   }
   const __m256 s = _mm256_set1_ps(inv);
   for (int u = 0; u < W; ++u) _mm256_storeu_ps(out + 8 * u, _mm256_mul_ps(a[u], s));
 }
 
-// out[0:d] = softmax(q . K[j] * scale + mask[j], j < keys) @ V. K, V rows `ld` floats apart.
+// out[0:d] = softmax(q . K(j) * scale + mask[j], j < keys) @ V, K(j) and V(j) the rows of key j
+// (`Strided` or `Tabled`: the same arithmetic in the same order either way).
 // `buf` holds at least keys rounded up to 8 floats.
-void attend(const float* q, const float* K, const float* V, int64_t ld, int64_t keys, int64_t d,
+template <typename Rows>
+void attend(const float* q, const Rows& K, const Rows& V, int64_t keys, int64_t d,
             const float* mask, float scale, float* out, float* buf) {
   int64_t j = 0;
   for (; j + 4 <= keys; j += 4) {  // four keys at once: four independent FMA chains
-    const float* k0 = K + j * ld;
+    for (int64_t u = 8; u < 12; ++u) K.prefetch(j + u, keys, d);
+    const float *k0 = K(j), *k1 = K(j + 1), *k2 = K(j + 2), *k3 = K(j + 3);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t t = 0; t < d; t += 8) {
       const __m256 qv = _mm256_loadu_ps(q + t);
       a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + t), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + ld + t), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * ld + t), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * ld + t), a3);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + t), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + t), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + t), a3);
     }
     buf[j] = hsum(a0) * scale;
     buf[j + 1] = hsum(a1) * scale;
@@ -117,7 +143,8 @@ void attend(const float* q, const float* K, const float* V, int64_t ld, int64_t 
   }
   for (; j < keys; ++j) {
     __m256 a = _mm256_setzero_ps();
-    for (int64_t t = 0; t < d; t += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + t), _mm256_loadu_ps(K + j * ld + t), a);
+    const float* kj = K(j);
+    for (int64_t t = 0; t < d; t += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + t), _mm256_loadu_ps(kj + t), a);
     buf[j] = hsum(a) * scale;
   }
   float m = -std::numeric_limits<float>::infinity();
@@ -140,17 +167,17 @@ void attend(const float* q, const float* K, const float* V, int64_t ld, int64_t 
   }
   const float inv = 1.0f / hsum(total);
   for (int64_t t0 = 0; t0 < d; t0 += 64) {  // up to 64 output floats at a time, in registers
-    const float* v = V + t0;
+    const Rows v = V.offset(t0);
     float* o = out + t0;
     switch (std::min<int64_t>(64, d - t0) / 8) {
-      case 8: weighted_sum<8>(buf, v, ld, keys, inv, o); break;
-      case 7: weighted_sum<7>(buf, v, ld, keys, inv, o); break;
-      case 6: weighted_sum<6>(buf, v, ld, keys, inv, o); break;
-      case 5: weighted_sum<5>(buf, v, ld, keys, inv, o); break;
-      case 4: weighted_sum<4>(buf, v, ld, keys, inv, o); break;
-      case 3: weighted_sum<3>(buf, v, ld, keys, inv, o); break;
-      case 2: weighted_sum<2>(buf, v, ld, keys, inv, o); break;
-      default: weighted_sum<1>(buf, v, ld, keys, inv, o); break;
+      case 8: weighted_sum<8>(buf, v, keys, inv, o); break;
+      case 7: weighted_sum<7>(buf, v, keys, inv, o); break;
+      case 6: weighted_sum<6>(buf, v, keys, inv, o); break;
+      case 5: weighted_sum<5>(buf, v, keys, inv, o); break;
+      case 4: weighted_sum<4>(buf, v, keys, inv, o); break;
+      case 3: weighted_sum<3>(buf, v, keys, inv, o); break;
+      case 2: weighted_sum<2>(buf, v, keys, inv, o); break;
+      default: weighted_sum<1>(buf, v, keys, inv, o); break;
     }
   }
 }
@@ -165,14 +192,16 @@ inline void rotate(const float* t, const float* c, const float* s, int64_t d, fl
 }
 
 // fn(r, j, buf) for every row r and query head j, over torch's threads with at least kMinTaskFlops of
-// work per thread; buf holds `keys` scores rounded up to 8 floats (what `attend` needs).
+// work per thread; buf holds `keys` scores rounded up to 8 floats (what `attend` needs). Head-major:
+// the rows of one head run one after another on one thread, so beams that share a prefix (a slot
+// table) read its K/V from that core's cache after the first.
 template <typename Fn>
 void for_each_row_head(int64_t rows, int64_t h, int64_t flops_per_head, int64_t keys, const Fn& fn) {
   const int64_t grain = std::max<int64_t>(1, kMinTaskFlops / std::max<int64_t>(1, flops_per_head));
   at::parallel_for(0, rows * h, grain, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> buf;  // kept between calls: no allocation per layer
     if (buf.size() < size_t((keys + 7) / 8 * 8)) buf.resize((keys + 7) / 8 * 8);
-    for (int64_t t = t0; t < t1; ++t) fn(t / h, t % h, buf.data());
+    for (int64_t t = t0; t < t1; ++t) fn(t % rows, t / rows, buf.data());
   });
 }
 
@@ -196,13 +225,21 @@ void self_attention(const float* heads, const float* cos, const float* sin, cons
   }
   const float scale = 1.0f / std::sqrt(float(d));
   for_each_row_head(rows, h, n * keys * d * 4, keys, [&](int64_t r, int64_t j, float* buf) {
-    const float* K = cache.k + r * cache.k_row + (j % kvh) * cache.k_head;
-    const float* V = cache.v + r * cache.v_row + (j % kvh) * cache.v_head;
+    const float* k_head = cache.k + (j % kvh) * cache.k_head;
+    const float* v_head = cache.v + (j % kvh) * cache.v_head;
+    const Strided K{k_head + r * cache.k_row, d}, V{v_head + r * cache.v_row, d};
+    const Tabled KT{k_head, d, cache.k_row, cache.table + r * cache.table_row};
+    const Tabled VT{v_head, d, cache.v_row, KT.table};
     for (int64_t i = 0; i < n; ++i) {
       const int64_t tok = r * n + i;
       const float* m = mask.p ? mask.p + (mask.rows == 1 ? 0 : r * mask.row_stride) + i * mask.query_stride : nullptr;
       const int64_t seen = mask.p ? keys : slots[tok] + 1;
-      attend(q_rot + tok * h * d + j * d, K, V, d, seen, d, m, scale, out + tok * h * d + j * d, buf);
+      const float* qi = q_rot + tok * h * d + j * d;
+      float* o = out + tok * h * d + j * d;
+      if (cache.table)
+        attend(qi, KT, VT, seen, d, m, scale, o, buf);
+      else
+        attend(qi, K, V, seen, d, m, scale, o, buf);
     }
   });
 }
@@ -210,12 +247,11 @@ void self_attention(const float* heads, const float* cos, const float* sin, cons
 void cross_attention(const float* q, int64_t rows, int64_t n, int64_t h, int64_t d, const SourceView& src, float* out) {
   const float scale = 1.0f / std::sqrt(float(d));
   for_each_row_head(rows, h, n * src.len * d * 4, src.len, [&](int64_t r, int64_t j, float* buf) {
-    const float* K = src.k + r * src.k_row + j * src.k_head;
-    const float* V = src.v + r * src.v_row + j * src.v_head;
+    const Strided K{src.k + r * src.k_row + j * src.k_head, d}, V{src.v + r * src.v_row + j * src.v_head, d};
     const float* m = src.mask ? src.mask + r * src.mask_row : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t tok = r * n + i;
-      attend(q + tok * h * d + j * d, K, V, d, src.len, d, m, scale, out + tok * h * d + j * d, buf);
+      attend(q + tok * h * d + j * d, K, V, src.len, d, m, scale, out + tok * h * d + j * d, buf);
     }
   });
 }

@@ -16,10 +16,14 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
 // out = h * gelu(gate) for n floats (exact GELU); out may be h itself.
 void geglu_row(const float* h, const float* gate, float* out, int64_t n);
 
-// One layer's K/V cache: slot s of kv head j of row r at k + r * k_row + j * k_head + s * d.
+// One layer's K/V cache: slot s of kv head j of row r at k + r * k_row + j * k_head + s * d. With a
+// slot table, row r READS slot s from row table[r * table_row + s] (beams that share a prefix share its
+// K/V, so a beam reorder moves table entries, not K/V); writes always go to the row's own storage.
 struct CacheView {
   float *k, *v;
   int64_t k_row, k_head, v_row, v_head;
+  const int64_t* table = nullptr;
+  int64_t table_row = 0;
 };
 
 // An additive mask (R, n, keys), R 1 (shared by every row) or rows; p null: causal by slot.

@@ -39,8 +39,9 @@ int64_t packed_out(const torch::Tensor& w, int64_t in, const char* name) {
   return w.size(0) * tts::kPanel;
 }
 
-void check_cache(const torch::Tensor& t, int64_t layers, int64_t rows, int64_t kvh, int64_t d, const char* name) {
-  TORCH_CHECK(t.dim() == 5 && t.size(0) == layers && t.size(1) == rows && t.size(2) == kvh && t.size(4) == d &&
+// rows: the rows decoded; a cache with a slot table may hold more (rows of finished items stay put)
+void check_cache(const torch::Tensor& t, int64_t layers, int64_t rows, int64_t kvh, int64_t d, const char* name, bool table) {
+  TORCH_CHECK(t.dim() == 5 && t.size(0) == layers && (table ? t.size(1) >= rows : t.size(1) == rows) && t.size(2) == kvh && t.size(4) == d &&
               t.stride(4) == 1 && t.stride(3) == d && t.scalar_type() == at::kFloat && t.device().is_cpu(),
               name, ": float32 CPU (layers, rows, kv heads, slots, d) with contiguous slots");
 }
@@ -87,11 +88,13 @@ class Stack {
   }
 
   // x (rows * n, dim) through layers [first, last). pos, slots (rows, n) int64; k_all, v_all the cache
-  // (layers, rows, kvh, capacity, d); mask (1 or rows, n, keys) additive or none (causal by slot);
-  // enc_keys, enc_values (layers, rows, h, S, d); cross_mask (rows, S) additive or none.
+  // (layers, rows, kvh, capacity, d); table (rows, capacity) int64 or none: the cache row each slot is
+  // read from (`CacheView`; k_all, v_all may then hold more rows); mask (1 or rows, n, keys) additive or
+  // none (causal by slot); enc_keys, enc_values (layers, rows, h, S, d); cross_mask (rows, S) additive or none.
   torch::Tensor run(const torch::Tensor& x, int64_t first, int64_t last, const torch::Tensor& cos, const torch::Tensor& sin,
                     const torch::Tensor& pos, const torch::Tensor& slots, const torch::Tensor& k_all,
-                    const torch::Tensor& v_all, const c10::optional<torch::Tensor>& mask, int64_t keys,
+                    const torch::Tensor& v_all, const c10::optional<torch::Tensor>& table,
+                    const c10::optional<torch::Tensor>& mask, int64_t keys,
                     const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
                     const c10::optional<torch::Tensor>& cross_mask) const {
     TORCH_CHECK(0 <= first && first <= last && last <= layers_, "layers [", first, ", ", last, ") outside 0..", layers_);
@@ -101,10 +104,20 @@ class Stack {
                 "x: float32 CPU (rows * n, dim)");
     TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == d_ && cos.is_contiguous() && sin.is_contiguous() &&
                 cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos, sin: contiguous float32 (P, d)");
-    check_cache(k_all, layers_, rows, kvh_, d_, "k_all");
-    check_cache(v_all, layers_, rows, kvh_, d_, "v_all");
+    check_cache(k_all, layers_, rows, kvh_, d_, "k_all", table.has_value());
+    check_cache(v_all, layers_, rows, kvh_, d_, "v_all", table.has_value());
+    TORCH_CHECK(k_all.size(1) == v_all.size(1), "k_all, v_all: as many rows");
     const int64_t cap = k_all.size(3);
     TORCH_CHECK(v_all.size(3) == cap && 0 <= keys && keys <= cap, "keys exceed the cache capacity");
+    const int64_t* tp = nullptr;
+    if (table) {
+      TORCH_CHECK(table->dim() == 2 && table->size(0) == rows && table->size(1) == cap && table->stride(1) == 1 &&
+                  table->scalar_type() == at::kLong, "table: int64 (rows, capacity), contiguous slots");
+      tp = table->data_ptr<int64_t>();
+      for (int64_t r = 0; r < rows; ++r)  // every slot a query may read names a cache row
+        for (int64_t s = 0; s < keys; ++s)
+          TORCH_CHECK(0 <= tp[r * table->stride(0) + s] && tp[r * table->stride(0) + s] < k_all.size(1), "table: row out of range");
+    }
     std::vector<int64_t> sp, pp;
     token_slots(pos, slots, keys, cos.size(0), sp, pp);
     const tts::MaskView mv = mask_view(mask, rows, n, keys);
@@ -137,7 +150,8 @@ class Stack {
       const float* none = nullptr;
       tts::gemm(xp, dim_, tokens, dim_, w[0].data_ptr<float>(), w[0].size(0), none, none, 0, true, heads, width);
       const tts::CacheView cache{k_all.data_ptr<float>() + i * k_all.stride(0), v_all.data_ptr<float>() + i * v_all.stride(0),
-                                 k_all.stride(1), k_all.stride(2), v_all.stride(1), v_all.stride(2)};
+                                 k_all.stride(1), k_all.stride(2), v_all.stride(1), v_all.stride(2),
+                                 tp, table ? table->stride(0) : 0};
       tts::self_attention(heads, cos.data_ptr<float>(), sin.data_ptr<float>(), pp.data(), sp.data(), rows, n, h_, kvh_, d_,
                           cache, mv, keys, q, a);
       tts::gemm(a, hd, tokens, hd, w[1].data_ptr<float>(), w[1].size(0), none, xp, dim_, false, xp, dim_);
@@ -295,7 +309,7 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
   int64_t steps = gamma, drafting = seqs;
   for (int64_t d = 0;; ++d) {
     if (d) slots.add_(1);
-    auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, first + d + 1, enc_keys, enc_values, cross_mask);
+    auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, none, first + d + 1, enc_keys, enc_values, cross_mask);
     if (tail) exits.select(1, d).copy_(h);
     if (d == steps) break;  // with tail: the last token's pass
     auto logits = head(h);  // (rows, V), a view of whole-panel rows

@@ -19,6 +19,7 @@ namespace tts {
 namespace {
 
 constexpr int64_t kBlock = 32;  // terms per partial sum
+constexpr int64_t kAhead = 256;  // weight rows prefetched ahead, over all panels in flight
 constexpr int64_t kMinTaskMacs = 1 << 17;  // below this a thread hand-off costs more than it saves
 
 // R rows of x against P consecutive panels (R * P <= 6: at most 12 accumulator chains). One row alone
@@ -44,6 +45,7 @@ inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, 
       for (int p = 0; p < P; ++p) {
         const float* wk = w + p * stride + k * kPanel;
         _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kPanel), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kPanel), _MM_HINT_T1);
         wv[2 * p] = _mm256_loadu_ps(wk);
         wv[2 * p + 1] = _mm256_loadu_ps(wk + 8);
       }
@@ -105,20 +107,22 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
   const Product prod{x, panels, normalize ? inv_norm : nullptr, bias, res, y, ldx, in, ldy, ldr};
   const int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, rows * in * kPanel));
   at::parallel_for(0, n_panels, grain, [&](int64_t p0, int64_t p1) {
-    // 4 panels at a time: every row block, then the remaining rows, while those panels are in L1
+    // 4 panels at a time: every block of rows, while those panels are in L1/L2. Blocks of up to 6 rows
+    // (12 accumulators), as even as possible (9 rows: 5 + 4, not 4 + 4 + 1): each block re-reads the
+    // panels, and a block of many rows does more arithmetic per weight load
     for (int64_t p = p0; p < p1; p += 4) {
       const int64_t count = std::min<int64_t>(4, p1 - p);
-      int64_t m = 0;
-      if (rows == 5 || rows == 6) {  // one pass over the panels (10 or 12 accumulators): -9% and -11%
-        rows == 5 ? prod.rows_from<5, 1>(0, p, count) : prod.rows_from<6, 1>(0, p, count);
-        continue;
-      }
-      for (; m + 4 <= rows; m += 4) prod.rows_from<4, 1>(m, p, count);
-      switch (rows - m) {
-        case 3: prod.rows_from<3, 1>(m, p, count); break;
-        case 2: prod.rows_from<2, 2>(m, p, count); break;
-        case 1: prod.rows_from<1, 4>(m, p, count); break;
-        default: break;
+      for (int64_t m = 0; m < rows;) {
+        const int64_t left = rows - m, blocks = (left + 5) / 6, r = (left + blocks - 1) / blocks;
+        switch (r) {
+          case 6: prod.rows_from<6, 1>(m, p, count); break;
+          case 5: prod.rows_from<5, 1>(m, p, count); break;
+          case 4: prod.rows_from<4, 1>(m, p, count); break;
+          case 3: prod.rows_from<3, 1>(m, p, count); break;
+          case 2: prod.rows_from<2, 2>(m, p, count); break;
+          default: prod.rows_from<1, 4>(m, p, count); break;
+        }
+        m += r;
       }
     }
   });
