@@ -84,7 +84,8 @@ def default_model(
     device: str, checkpoint: Path | None = None, batch: int = 1, sentences: int = 1, widen: list[int] | None = None
 ) -> Setup:
     """The shipped checkpoint (or another speech checkpoint directory) on held-out-style sentences:
-    one batch of `batch` fixed sentences, or `sentences` > 1 held-out corpus sentences one at a time.
+    one batch of `batch` fixed sentences, or `sentences` > 1 held-out corpus sentences in batches of
+    `batch` (1: one at a time).
     widen: [dim, heads] or [dim, heads, depth]: the same function at that size (`tts_specdec.widen`)."""
     from tts_specdec.speech.checkpoint import load_checkpoint
     from tts_specdec.speech.pipeline import ASSETS, default_max_length
@@ -101,8 +102,9 @@ def default_model(
     model = ckpt.model.to(device).eval()
     if sentences > 1:
         texts = heldout_sentences(sentences)
-        sources = [model.tokenizer_encode([t]).to(device) for t in texts]
-        what = f"{sentences} held-out corpus sentences, each alone (batch 1), times and tokens summed"
+        sources = [model.tokenizer_encode(texts[i : i + batch]).to(device) for i in range(0, sentences, batch)]
+        alone = "each alone (batch 1)" if batch == 1 else f"in batches of {batch}"
+        what = f"{sentences} held-out corpus sentences, {alone}, times and tokens summed"
     else:
         texts = list(HELD_OUT_TEXTS[:batch])
         sources = [model.tokenizer_encode(texts).to(device)]
@@ -334,10 +336,23 @@ def machine_info(device: str) -> dict:
     return info
 
 
+def step_weight_bytes(model: TextToSemantic) -> int:
+    """Bytes of weights one plain target step reads: every decoder layer's products (the cross-attention
+    K/V projections excluded: they run once per source) and the output head."""
+    tt = model.target_transformer
+    skip = {id(cross.to_kv[0].weight) for _, cross, _ in tt.layers}
+    layers = sum(p.numel() * p.element_size() for p in tt.layers.parameters() if id(p) not in skip)
+    head = model.to_logits["speech"].weight
+    return layers + head.numel() * head.element_size()
+
+
 def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
     by_name = {m.name: m for m in modes}
     target_step = _plain_step(modes)
     c = cost_ratio(modes, target_step)
+    weight_gbs = step_weight_bytes(setup.model) / target_step / 1e9 if target_step else None
+    beam = next((m for m in modes if m.name.startswith("ours beam search")), None)
+    beam_step = beam.stats.wall_time / beam.stats.steps if beam and beam.stats and beam.stats.steps else None
     rows = []
     for m in modes:
         row = {"mode": m.name, "tokens_per_s": m.tokens_per_s, "median_s": statistics.median(m.times),
@@ -358,13 +373,16 @@ def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
                     if v is not None:  # with this machine's verify cost; at alpha = 1: no draft can beat it
                         row["bound_at_v"] = leviathan_bound(s.alpha, s.gamma, c, v)
                         row["ceiling_alpha1_at_v"] = leviathan_bound(1.0, s.gamma, c, v)
+                        if "speedup" in row:
+                            row["fraction_of_bound_at_v"] = row["speedup"] / row["bound_at_v"]
             if s.committed_hist:
                 row.update(steps_per_target_pass=s.steps_per_target_pass, committed_hist=s.committed_hist)
         rows.append(row)
     return {"machine": machine_info(args.device), "setup": setup.description, "batch": int(setup.sources[0].shape[0]),
             "sentences": len(setup.sources), "max_length": max(setup.max_lengths), "reps": args.reps,
             "gamma": args.gamma, "top_k": args.top_k or None, "top_p": args.top_p or None, "cond_scale": args.cond_scale,
-            "cost_ratio_c": c,
+            "cost_ratio_c": c, "plain_step_s": target_step, "plain_weight_read_GBps": weight_gbs,
+            "beam_step_over_greedy_step": beam_step / target_step if beam_step and target_step else None,
             "rows": rows}
 
 
@@ -377,12 +395,17 @@ def print_table(result: dict) -> None:
     if result.get("top_k") or result.get("top_p") or result.get("cond_scale", 1.0) != 1.0:
         print(f"sampling and greedy rows: top_k {result.get('top_k')}, top_p {result.get('top_p')}, "
               f"cond_scale {result.get('cond_scale')}")
+    if result.get("plain_weight_read_GBps"):
+        print(f"plain target step {1e3 * result['plain_step_s']:.2f} ms: weights read at "
+              f"{result['plain_weight_read_GBps']:.1f} GB/s")
+    if result.get("beam_step_over_greedy_step"):
+        print(f"a beam step costs {result['beam_step_over_greedy_step']:.2f} greedy steps")
     if result["cost_ratio_c"] is not None:
         print(f"measured draft/target step cost ratio c = {result['cost_ratio_c']:.3f}")
         print("bound: Leviathan et al.'s (a verify pass costs one target step); v: a verify pass's measured cost "
               "in target steps; at v: the bound with that cost; a=1 at v: the same with every draft accepted")
     print(f"\n{'mode':48s} {'tok/s':>9s} {'speedup':>20s} {'alpha':>6s} {'tok/pass':>8s} {'bound':>6s} {'v':>5s} "
-          f"{'at v':>5s} {'a=1 at v':>8s}")
+          f"{'at v':>5s} {'a=1 at v':>8s} {'of at v':>7s}")
 
     def num(r: dict, key: str, width: int) -> str:
         return f"{r[key]:{width}.2f}" if key in r else " " * width
@@ -394,7 +417,7 @@ def print_table(result: dict) -> None:
         per_pass = f"{per_pass:.2f}" if per_pass is not None else ""
         print(f"{r['mode']:48s} {r['tokens_per_s']:9.1f} {speed:>20s} {alpha:>6s} {per_pass:>8s} "
               f"{num(r, 'leviathan_bound', 6)} {num(r, 'verify_cost_v', 5)} {num(r, 'bound_at_v', 5)} "
-              f"{num(r, 'ceiling_alpha1_at_v', 8)}")
+              f"{num(r, 'ceiling_alpha1_at_v', 8)} {num(r, 'fraction_of_bound_at_v', 7)}")
         for key in ("accepted_hist", "committed_hist"):
             if key in r:
                 print(f"{'':48s}   {key}: {r[key]}")
@@ -407,7 +430,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--widen", type=int, nargs="+", metavar="N",
                    help="with --model default: DIM HEADS [DEPTH]: the checkpoint widened function-preservingly "
                         "(tts_specdec.widen), a realistic size with the same outputs")
-    p.add_argument("--batch", type=int, default=1, help="with --model default: sentences per batch (1-4)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="with --model default: sentences per batch (without --sentences: 1-4 fixed sentences)")
     p.add_argument("--sentences", type=int, default=1,
                    help="with --model default: decode this many held-out corpus sentences one at a time (batch 1)")
     p.add_argument("--reps", type=int, default=3)
@@ -446,8 +470,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.top_p and (args.top_k or args.temperature != 1):
         p.error("--top-p goes alone with --temperature 1 (spear-tts filters before the temperature)")
     torch.set_num_threads(args.threads)
-    if args.sentences > 1 and (args.model != "default" or args.batch != 1):
-        p.error("--sentences > 1 needs --model default and --batch 1")
+    if args.sentences > 1 and args.model != "default":
+        p.error("--sentences > 1 needs --model default")
+    if args.batch < 1:
+        p.error("--batch must be >= 1")
     if args.widen and (args.model != "default" or len(args.widen) not in (2, 3)):
         p.error("--widen takes DIM HEADS [DEPTH] and needs --model default")
     try:
