@@ -159,10 +159,8 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
         up_kw.update(filter_logits_fn=_spear.top_p, filter_fn_kwargs={"thres": args.top_p})
     sk = dict(temperature=t, generator=gen, top_k=args.top_k or None, top_p=args.top_p or None, cond_scale=args.cond_scale)
     gk = dict(temperature=0.0, cond_scale=args.cond_scale)
-    modes = [
-        Mode("spear-tts generate (sampling)", upstream(temperature=t, **up_kw)),
-        Mode("ours sample", ours("sample", **sk), "spear-tts generate (sampling)"),
-    ]
+    modes = [] if args.skip_upstream else [Mode("spear-tts generate (sampling)", upstream(temperature=t, **up_kw))]
+    modes.append(Mode("ours sample", ours("sample", **sk), None if args.skip_upstream else "spear-tts generate (sampling)"))
     if has_exit:
         modes.append(Mode(f"ours speculative sample (gamma={g})", ours("sample", gamma=g, **sk), "ours sample"))
         modes.append(Mode("ours greedy", ours("sample", **gk)))
@@ -180,9 +178,10 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
             if args.draft_confidence:
                 modes.append(Mode(f"ours speculative sample (gamma<={gm}, conf {conf:g}, draft cfg {ds:g})", ours(
                     "sample", gamma=gm, draft_confidence=conf, draft_cond_scale=ds, **sk), "ours sample"))
-    if not args.skip_upstream_beam:
+    if not (args.skip_upstream_beam or args.skip_upstream):
         modes.append(Mode(f"spear-tts generate (beam {k})", upstream(beam_search_decode=True, beam_size=k)))
-    modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k), None if args.skip_upstream_beam else f"spear-tts generate (beam {k})"))
+    upstream_beam = None if args.skip_upstream_beam or args.skip_upstream else f"spear-tts generate (beam {k})"
+    modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k), upstream_beam))
     if has_exit and _has_spec_beam():
         widths = [w or k for w in args.draft_width]
         for bg in args.beam_gamma:
@@ -190,7 +189,7 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
                 modes.append(Mode(f"ours speculative beam (beam {k}, gamma={bg}, W={w})",
                                   ours("beam_search", beam_size=k, gamma=bg, draft_width=w), f"ours beam search (beam {k})"))
         dropin = _dropin(model)
-        if dropin is not None and not args.skip_upstream_beam:
+        if dropin is not None and upstream_beam:
             bg, w = args.beam_gamma[0], widths[0]  # the first setting: the fastest on our CPU runs
 
             def run_dropin() -> tuple[int, None]:
@@ -459,6 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--distill-steps", type=int, default=300, help="reference model: exit-head distillation steps")
     p.add_argument("--skip-upstream-beam", action="store_true", help="skip spear-tts beam search (slowest row)")
+    p.add_argument("--skip-upstream", action="store_true", help="skip every spear-tts row (large models)")
     p.add_argument("--count-ops", action="store_true",
                    help="count torch ops per token on torch's path instead of timing (see above)")
     p.add_argument("--json", type=Path, help="also write the results here")

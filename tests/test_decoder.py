@@ -310,3 +310,20 @@ def test_cache_by_reference_equals_cache_by_value(dtype, layout):
             cache.reorder(index)
         x = dec.embed(torch.randint(0, 13, (index.numel(), 1), generator=g))
     assert not torch.equal(caches[1].table, torch.arange(3)[:, None].expand_as(caches[1].table))  # rows share storage
+
+
+@torch.no_grad()
+def test_selected_rows_share_the_source_entries(layout):
+    """Beams (and CFG pairs) read their item's source K/V through a row index: selecting rows copies no
+    K/V, and decoding through the index equals decoding on K/V copied row by row."""
+    model = make_model(seed=5, std=STD[torch.float32])
+    dec = Decoder(model)
+    dec.begin()
+    enc = dec.encode(make_source(2, 5, seed=1, lengths=[5, 3]), guided=True)
+    beams = enc.select(Decoder.rows(torch.tensor([1, 1, 0, 1]), True))
+    assert beams.keys.data_ptr() == enc.keys.data_ptr() and beams.rows == 8
+    dense = type(enc)(*beams.dense(), beams.mask, True)
+    assert dense.keys.shape[1] == 8 and dense.source is None
+    x = torch.randn(8, 3, model.target_transformer.layers[0][0].to_q[0].weight.shape[1], generator=torch.Generator().manual_seed(0))
+    h = [dec.run(x, 0, range(dec.depth), e, dec.new_cache(8, 4)) for e in (beams, dense)]
+    assert torch.equal(h[0], h[1])

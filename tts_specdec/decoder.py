@@ -29,16 +29,19 @@ from .weights import _FeedForward, _normed_mm, _packed_or, _residual, _split, _t
 
 @dataclass
 class Encoded:
-    """Source side of a decode: cross-attention K/V of every decoder layer, one entry per row."""
+    """Source side of a decode: cross-attention K/V of every decoder layer, one entry per source, and
+    the entry each row reads (the beams of an item share one: a beam step reads it, never a copy)."""
 
-    keys: Tensor  # (layers, rows, heads, 1 + source_len, dim_head), null key first
+    keys: Tensor  # (layers, sources, heads, 1 + source_len, dim_head), null key first
     values: Tensor
     mask: Tensor | None  # (rows, 1, 1, 1 + source_len) additive (0 or -inf); None: nothing masked
     guided: bool  # rows come in (cond, null) pairs
+    source: Tensor | None = None  # (rows,) int64: the entry of each row; None: row i reads entry i
+    _dense: tuple[Tensor, Tensor] | None = None  # keys and values per row, made once (torch's path)
 
     @property
     def rows(self) -> int:
-        return self.keys.shape[1]
+        return self.keys.shape[1] if self.source is None else self.source.numel()
 
     @property
     def cross_mask(self) -> Tensor | None:
@@ -46,8 +49,18 @@ class Encoded:
         return None if self.mask is None else self.mask[:, 0, 0]
 
     def select(self, rows: Tensor) -> "Encoded":
+        """Rows become `rows` of these rows; the K/V stay where they are."""
         mask = None if self.mask is None else self.mask.index_select(0, rows)
-        return Encoded(self.keys.index_select(1, rows), self.values.index_select(1, rows), mask, self.guided)
+        rows = rows.contiguous()
+        return Encoded(self.keys, self.values, mask, self.guided, rows if self.source is None else self.source[rows])
+
+    def dense(self) -> tuple[Tensor, Tensor]:
+        """Keys and values with one entry per row, (layers, rows, heads, 1 + source_len, dim_head)."""
+        if self.source is None:
+            return self.keys, self.values
+        if self._dense is None:
+            self._dense = (self.keys.index_select(1, self.source), self.values.index_select(1, self.source))
+        return self._dense
 
 
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -169,11 +182,12 @@ class Decoder:
         kv_all[..., 1:, :] = kv.permute(2, 3, 0, 4, 1, 5)
         keys, values = kv_all[:, 0], kv_all[:, 1]
         mask = F.pad(mask, (1, 0), value=True)
-        if guided:
+        rows = None
+        if guided:  # a (cond, null) pair reads one source entry; the null row's mask hides all of it
             null_mask = F.pad(torch.zeros_like(mask[:, 1:]), (1, 0), value=True)
             mask = torch.stack((mask, null_mask), dim=1).flatten(0, 1)
-            keys, values = keys.repeat_interleave(2, dim=1), values.repeat_interleave(2, dim=1)
-        return Encoded(keys, values, _additive(mask[:, None, None, :], states.dtype), guided)
+            rows = torch.arange(b, device=source.device).repeat_interleave(2)
+        return Encoded(keys, values, _additive(mask[:, None, None, :], states.dtype), guided, rows)
 
     # ---- rows and cache ----------------------------------------------------------------------
 
@@ -355,6 +369,7 @@ class Decoder:
             heads_pad = x.new_zeros(h_ + 2 * kvh, rows * n, d)
             q_pad = x.new_zeros(rows * n, h_ * d)
         tokens = x.shape[0]
+        enc_keys, enc_values = enc.dense()
         for i in layers:
             w = weights[i]
             # causal self-attention over the row's cache; q and k rotated together
@@ -388,7 +403,7 @@ class Decoder:
                 if keep is not None:
                     q = q_pad.index_copy_(0, keep, q)
                 q = q.view(rows, n, -1, d).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, enc.keys[i], enc.values[i], attn_mask=enc.mask)
+            a = F.scaled_dot_product_attention(q, enc_keys[i], enc_values[i], attn_mask=enc.mask)
             x = _residual(x, self._unpad(a, keep), w.cross_out_t)
             # feed-forward: RMSNorm, Linear, GEGLU, Linear
             x = w.ff.residual(x)
@@ -424,7 +439,7 @@ class Decoder:
         cross_mask = enc.cross_mask
         k_all, v_all = cache.buffers(end)
         x = self._stack.run(x.reshape(rows * n, dim), layers, *self._rope, pos, slots, k_all, v_all, cache.table, mask,
-                            end, enc.keys, enc.values, cross_mask)
+                            end, enc.keys, enc.values, cross_mask, enc.source)
         for i in layers:
             self.layer_evals[i] += rows * n
         return x.view(rows, n, dim)
@@ -523,7 +538,7 @@ class Decoder:
         out = kernels.decode_steps(
             self._stack, head, emb, x[:, 0], layers, self.per_row(pos, enc.guided), steps, temperature, generator,
             *self._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask, top_k=top_k, top_p=top_p,
-            guidance=cond_scale if enc.guided else 0.0, confidence=confidence, eos=eos, tail=tail)
+            guidance=cond_scale if enc.guided else 0.0, confidence=confidence, eos=eos, tail=tail, enc_rows=enc.source)
         taken = out[2].shape[1] + int(tail)  # tokens through the layers, per row
         for i in layers:
             self.layer_evals[i] += x.shape[0] * taken

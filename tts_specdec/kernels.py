@@ -151,7 +151,7 @@ class Stack:
     def run(
         self, x: Tensor, layers: range, cos: Tensor, sin: Tensor, pos: Tensor, slots: Tensor, k_all: Tensor,
         v_all: Tensor, table: Tensor | None, mask: Tensor | None, keys: int, enc_keys: Tensor, enc_values: Tensor,
-        cross_mask: Tensor | None,
+        cross_mask: Tensor | None, enc_rows: Tensor | None = None,
     ) -> Tensor:
         """Layers `layers` (a contiguous range) on x (tokens, dim), each: normalised q/k/v product,
         `self_attention`, output product + residual, normalised cross q product, `cross_attention`,
@@ -160,9 +160,10 @@ class Stack:
         pos/slots (rows, n) as in `self_attention`; k_all/v_all: the whole cache (layers, rows, kvh,
         capacity, d); table (rows, capacity) int64 or None: the cache row each slot is read from (a
         `KVCache` by reference; the cache may then hold more rows than are decoded); enc_keys/enc_values
-        (layers, rows, h, S, d); cross_mask (rows, S) additive."""
+        (layers, sources, h, S, d): row r reads source enc_rows[r] ((rows,) int64; None: source r);
+        cross_mask (rows, S) additive."""
         return self._stack.run(x, layers.start, layers.stop, cos, sin, pos, slots, k_all, v_all, table, mask, keys,
-                               enc_keys, enc_values, cross_mask)
+                               enc_keys, enc_values, cross_mask, enc_rows)
 
 
 class Head:
@@ -182,6 +183,7 @@ def decode_steps(
     generator: torch.Generator | None, cos: Tensor, sin: Tensor, k_all: Tensor, v_all: Tensor, enc_keys: Tensor,
     enc_values: Tensor, cross_mask: Tensor | None, *, top_k: int | None = None, top_p: float | None = None,
     guidance: float = 0.0, confidence: float | None = None, eos: int | None = None, tail: bool = False,
+    enc_rows: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None, Tensor]:
     """Up to `steps` decoding steps per row in one call (csrc/layers.cpp): from x0 (rows, dim) at slots
     start (rows,), each step runs `layers` (from layer 0) and `head`, picks a token (greedy when
@@ -201,7 +203,7 @@ def decode_steps(
     exits, q, tokens, limit, x = _module.decode_steps(
         stack._stack, head._head, emb, x0, layers.stop, start, steps, temperature, top_k or 0, top_p or 0.0, guidance,
         confidence or 0.0, -1 if eos is None else eos, tail, generator, cos, sin, k_all, v_all, enc_keys, enc_values,
-        cross_mask)
+        cross_mask, enc_rows)
     return (exits if tail else None), (q if temperature > 0 else None), tokens, (limit if confidence else None), x
 
 

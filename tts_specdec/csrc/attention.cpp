@@ -247,7 +247,8 @@ void self_attention(const float* heads, const float* cos, const float* sin, cons
 void cross_attention(const float* q, int64_t rows, int64_t n, int64_t h, int64_t d, const SourceView& src, float* out) {
   const float scale = 1.0f / std::sqrt(float(d));
   for_each_row_head(rows, h, n * src.len * d * 4, src.len, [&](int64_t r, int64_t j, float* buf) {
-    const Strided K{src.k + r * src.k_row + j * src.k_head, d}, V{src.v + r * src.v_row + j * src.v_head, d};
+    const int64_t e = src.row_of ? src.row_of[r] : r;
+    const Strided K{src.k + e * src.k_row + j * src.k_head, d}, V{src.v + e * src.v_row + j * src.v_head, d};
     const float* m = src.mask ? src.mask + r * src.mask_row : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t tok = r * n + i;

@@ -37,12 +37,14 @@ void self_attention(const float* heads, const float* cos, const float* sin, cons
                     const int64_t* slots, int64_t rows, int64_t n, int64_t h, int64_t kvh, int64_t d,
                     const CacheView& cache, const MaskView& mask, int64_t keys, float* q_rot, float* out);
 
-// Precomputed source K/V of one layer, (rows, h, len, d) with these strides; mask (rows, len) or null.
+// Precomputed source K/V of one layer, (sources, h, len, d) with these strides; row r reads source
+// row_of[r] (beams of one item share it), or source r without row_of; mask (rows, len) or null.
 struct SourceView {
   const float *k, *v;
   int64_t k_row, k_head, v_row, v_head, len;
   const float* mask;
   int64_t mask_row;
+  const int64_t* row_of = nullptr;
 };
 
 // q, out (rows * n, h d)

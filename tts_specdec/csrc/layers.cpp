@@ -90,13 +90,14 @@ class Stack {
   // x (rows * n, dim) through layers [first, last). pos, slots (rows, n) int64; k_all, v_all the cache
   // (layers, rows, kvh, capacity, d); table (rows, capacity) int64 or none: the cache row each slot is
   // read from (`CacheView`; k_all, v_all may then hold more rows); mask (1 or rows, n, keys) additive or
-  // none (causal by slot); enc_keys, enc_values (layers, rows, h, S, d); cross_mask (rows, S) additive or none.
+  // none (causal by slot); enc_keys, enc_values (layers, sources, h, S, d): row r reads source enc_rows[r]
+  // (int64 (rows,)), or source r without enc_rows; cross_mask (rows, S) additive or none.
   torch::Tensor run(const torch::Tensor& x, int64_t first, int64_t last, const torch::Tensor& cos, const torch::Tensor& sin,
                     const torch::Tensor& pos, const torch::Tensor& slots, const torch::Tensor& k_all,
                     const torch::Tensor& v_all, const c10::optional<torch::Tensor>& table,
                     const c10::optional<torch::Tensor>& mask, int64_t keys,
                     const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
-                    const c10::optional<torch::Tensor>& cross_mask) const {
+                    const c10::optional<torch::Tensor>& cross_mask, const c10::optional<torch::Tensor>& enc_rows) const {
     TORCH_CHECK(0 <= first && first <= last && last <= layers_, "layers [", first, ", ", last, ") outside 0..", layers_);
     TORCH_CHECK(slots.dim() == 2, "pos, slots: int64 (rows, n)");
     const int64_t rows = slots.size(0), n = slots.size(1), tokens = rows * n;
@@ -122,11 +123,19 @@ class Stack {
     token_slots(pos, slots, keys, cos.size(0), sp, pp);
     const tts::MaskView mv = mask_view(mask, rows, n, keys);
     TORCH_CHECK(enc_keys.dim() == 5 && enc_keys.sizes() == enc_values.sizes() && enc_keys.size(0) == layers_ &&
-                enc_keys.size(1) == rows && enc_keys.size(2) == h_ && enc_keys.size(4) == d_ && enc_keys.stride(4) == 1 &&
+                (enc_rows || enc_keys.size(1) == rows) && enc_keys.size(2) == h_ && enc_keys.size(4) == d_ && enc_keys.stride(4) == 1 &&
                 enc_keys.stride(3) == d_ && enc_values.stride(4) == 1 && enc_values.stride(3) == d_ &&
                 enc_keys.scalar_type() == at::kFloat && enc_values.scalar_type() == at::kFloat,
                 "enc_keys, enc_values: float32 (layers, rows, h, S, d) with contiguous (S, d)");
     const int64_t S = enc_keys.size(3);
+    const int64_t* row_of = nullptr;
+    if (enc_rows) {
+      TORCH_CHECK(enc_rows->dim() == 1 && enc_rows->size(0) == rows && enc_rows->is_contiguous() &&
+                  enc_rows->scalar_type() == at::kLong, "enc_rows: contiguous int64 (rows,)");
+      row_of = enc_rows->data_ptr<int64_t>();
+      for (int64_t r = 0; r < rows; ++r)
+        TORCH_CHECK(0 <= row_of[r] && row_of[r] < enc_keys.size(1), "enc_rows: source out of range");
+    }
     const float* cm = nullptr;
     int64_t cm_row = 0;
     if (cross_mask) {
@@ -157,7 +166,8 @@ class Stack {
       tts::gemm(a, hd, tokens, hd, w[1].data_ptr<float>(), w[1].size(0), none, xp, dim_, false, xp, dim_);
       tts::gemm(xp, dim_, tokens, dim_, w[2].data_ptr<float>(), w[2].size(0), none, none, 0, true, q, hd);
       const tts::SourceView src{enc_keys.data_ptr<float>() + i * enc_keys.stride(0), enc_values.data_ptr<float>() + i * enc_values.stride(0),
-                                enc_keys.stride(1), enc_keys.stride(2), enc_values.stride(1), enc_values.stride(2), S, cm, cm_row};
+                                enc_keys.stride(1), enc_keys.stride(2), enc_values.stride(1), enc_values.stride(2), S, cm, cm_row,
+                                row_of};
       tts::cross_attention(q, rows, n, h_, d_, src, a);
       tts::gemm(a, hd, tokens, hd, w[3].data_ptr<float>(), w[3].size(0), none, xp, dim_, false, xp, dim_);
       feed_forward(xp, tokens, dim_, w + 4, inner_, ff);
@@ -282,7 +292,8 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
                                         int64_t top_k, double top_p, double guidance, double confidence, int64_t eos, bool tail,
                                         c10::optional<at::Generator> gen, const torch::Tensor& cos, const torch::Tensor& sin,
                                         const torch::Tensor& k_all, const torch::Tensor& v_all, const torch::Tensor& enc_keys,
-                                        const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask) {
+                                        const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask,
+                                        const c10::optional<torch::Tensor>& enc_rows) {
   TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat, "x0: float32 (rows >= 1, dim)");
   TORCH_CHECK(start.dim() == 1 && start.size(0) == x0.size(0) && start.scalar_type() == at::kLong && start.is_contiguous(),
               "start: contiguous int64 (rows,)");
@@ -309,7 +320,7 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
   int64_t steps = gamma, drafting = seqs;
   for (int64_t d = 0;; ++d) {
     if (d) slots.add_(1);
-    auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, none, first + d + 1, enc_keys, enc_values, cross_mask);
+    auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, none, first + d + 1, enc_keys, enc_values, cross_mask, enc_rows);
     if (tail) exits.select(1, d).copy_(h);
     if (d == steps) break;  // with tail: the last token's pass
     auto logits = head(h);  // (rows, V), a view of whole-panel rows
