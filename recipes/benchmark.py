@@ -160,10 +160,10 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
     sk = dict(temperature=t, generator=gen, top_k=args.top_k or None, top_p=args.top_p or None, cond_scale=args.cond_scale)
     gk = dict(temperature=0.0, cond_scale=args.cond_scale)
     modes = [] if args.skip_upstream else [Mode("spear-tts generate (sampling)", upstream(temperature=t, **up_kw))]
-    modes.append(Mode("ours sample", ours("sample", **sk), None if args.skip_upstream else "spear-tts generate (sampling)"))
+    modes.append(Mode("ours sample", ours("sample", gamma=0, **sk), None if args.skip_upstream else "spear-tts generate (sampling)"))
     if has_exit:
         modes.append(Mode(f"ours speculative sample (gamma={g})", ours("sample", gamma=g, **sk), "ours sample"))
-        modes.append(Mode("ours greedy", ours("sample", **gk)))
+        modes.append(Mode("ours greedy", ours("sample", gamma=0, **gk)))
         modes.append(Mode(f"ours speculative greedy (gamma={g})", ours("sample", gamma=g, **gk), "ours greedy"))
         if args.draft_confidence:
             gm, conf = args.max_gamma, args.draft_confidence
@@ -181,7 +181,7 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
     if not (args.skip_upstream_beam or args.skip_upstream):
         modes.append(Mode(f"spear-tts generate (beam {k})", upstream(beam_search_decode=True, beam_size=k)))
     upstream_beam = None if args.skip_upstream_beam or args.skip_upstream else f"spear-tts generate (beam {k})"
-    modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k), upstream_beam))
+    modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k, gamma=0), upstream_beam))
     if has_exit and _has_spec_beam():
         widths = [w or k for w in args.draft_width]
         for bg in args.beam_gamma:
@@ -197,6 +197,11 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
                                spec_decode=True, beam_size=k, spec_decode_gamma=bg, draft_width=w) for src, n in inputs]
                 return sum(kept_tokens(out) for out in outs), None
             modes.append(Mode(f"drop-in generate(beam {k}, spec, gamma={bg}, W={w})", run_dropin, f"spear-tts generate (beam {k})"))
+    if has_exit and not args.skip_auto:  # gamma="auto": compared with the best fixed setting of its family
+        modes.append(Mode("ours auto sample (gamma=auto)", ours("sample", gamma="auto", **sk), "ours sample"))
+        modes.append(Mode("ours auto greedy (gamma=auto)", ours("sample", gamma="auto", **gk), "ours greedy"))
+        modes.append(Mode(f"ours auto beam (beam {k}, gamma=auto)", ours("beam_search", beam_size=k, gamma="auto"),
+                          f"ours beam search (beam {k})"))
     return modes
 
 
@@ -360,6 +365,8 @@ def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
             row["vs"] = m.baseline
             row["speedup"] = m.tokens_per_s / by_name[m.baseline].tokens_per_s
         s = m.stats
+        if s is not None and getattr(s, "gamma_hist", None):
+            row["gamma_hist"] = s.gamma_hist
         if s is not None and s.gamma:
             if s.accepted_hist:
                 row.update(alpha=s.alpha, tokens_per_target_pass=s.tokens_per_target_pass,
@@ -377,6 +384,10 @@ def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
             if s.committed_hist:
                 row.update(steps_per_target_pass=s.steps_per_target_pass, committed_hist=s.committed_hist)
         rows.append(row)
+    for row in rows:  # auto against the best fixed setting of its family (plain decoding included: 1.0)
+        if row["mode"].startswith("ours auto") and "speedup" in row:
+            fixed = [r["speedup"] for r in rows if r.get("vs") == row["vs"] and not r["mode"].startswith("ours auto")]
+            row["vs_best_fixed"] = row["speedup"] / max(fixed + [1.0])
     return {"machine": machine_info(args.device), "setup": setup.description, "batch": int(setup.sources[0].shape[0]),
             "sentences": len(setup.sources), "max_length": max(setup.max_lengths), "reps": args.reps,
             "gamma": args.gamma, "top_k": args.top_k or None, "top_p": args.top_p or None, "cond_scale": args.cond_scale,
@@ -417,6 +428,8 @@ def print_table(result: dict) -> None:
         print(f"{r['mode']:48s} {r['tokens_per_s']:9.1f} {speed:>20s} {alpha:>6s} {per_pass:>8s} "
               f"{num(r, 'leviathan_bound', 6)} {num(r, 'verify_cost_v', 5)} {num(r, 'bound_at_v', 5)} "
               f"{num(r, 'ceiling_alpha1_at_v', 8)} {num(r, 'fraction_of_bound_at_v', 7)}")
+        if "vs_best_fixed" in r:
+            print(f"{'':48s}   {r['vs_best_fixed']:.3f} of the best fixed setting; gammas used: {r.get('gamma_hist')}")
         for key in ("accepted_hist", "committed_hist"):
             if key in r:
                 print(f"{'':48s}   {key}: {r[key]}")
@@ -459,6 +472,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--distill-steps", type=int, default=300, help="reference model: exit-head distillation steps")
     p.add_argument("--skip-upstream-beam", action="store_true", help="skip spear-tts beam search (slowest row)")
     p.add_argument("--skip-upstream", action="store_true", help="skip every spear-tts row (large models)")
+    p.add_argument("--skip-auto", action="store_true", help="skip the gamma='auto' rows")
     p.add_argument("--count-ops", action="store_true",
                    help="count torch ops per token on torch's path instead of timing (see above)")
     p.add_argument("--json", type=Path, help="also write the results here")

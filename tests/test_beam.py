@@ -80,7 +80,7 @@ def test_beam_covering_every_sequence_equals_exhaustive_search(length_penalty):
         model.to_logits["speech"].weight[vocab - 1] *= 0.5
     sources = make_source(4, 6, seed=5, lengths=[6, 3, 5, 6])
     out = SpeculativeDecoder(model).beam_search(
-        sources, beam_size=32, length_penalty=length_penalty, max_length=max_length
+        sources, gamma=0, beam_size=32, length_penalty=length_penalty, max_length=max_length
     )
     winners = []
     for i in range(sources.shape[0]):
@@ -99,7 +99,7 @@ def test_beam_covering_every_sequence_equals_exhaustive_search(length_penalty):
 def test_beam_without_eos_equals_upstream_beam_search(cond_scale, layout):
     model = make_model(10, eos=False, cond_drop_prob=0.5 if cond_scale > 1 else 0.0)
     source = make_source(3, 6, seed=6, lengths=[6, 2, 4])
-    ours = SpeculativeDecoder(model).beam_search(source, beam_size=3, max_length=8, cond_scale=cond_scale)
+    ours = SpeculativeDecoder(model).beam_search(source, gamma=0, beam_size=3, max_length=8, cond_scale=cond_scale)
     ref = upstream_generate(model, source, beam_search_decode=True, beam_size=3, max_length=8, cond_scale=cond_scale)
     for i in range(3):
         assert ours.tokens[i].tolist() == ref[i].tolist(), i
@@ -111,12 +111,12 @@ def test_beam_batch_rows_equal_rows_decoded_alone():
     model = make_model(0)
     source = make_source(5, 7, seed=2, lengths=[7, 5, 7, 2, 6])
     dec = SpeculativeDecoder(model)
-    batch = dec.beam_search(source, beam_size=3, max_length=14)
+    batch = dec.beam_search(source, gamma=0, beam_size=3, max_length=14)
     lengths = [t.numel() for t in batch.tokens]
     assert min(lengths) < 14 and max(lengths) == 14, lengths  # some rows end early
     for i in range(5):
         n = int((source[i] != 0).sum())
-        alone = dec.beam_search(source[i : i + 1, :n], beam_size=3, max_length=14)
+        alone = dec.beam_search(source[i : i + 1, :n], gamma=0, beam_size=3, max_length=14)
         assert batch.tokens[i].tolist() == alone.tokens[0].tolist(), i
         # float32 sums of 14 log-probs; the source encoder's products see padded batches of another
         # shape (seen: 1.4e-7 relative), and so do the decoder's without the kernels (torch's products
@@ -128,7 +128,7 @@ def test_beam_size_one_without_eos_is_greedy():
     model = make_model(11, eos=False)
     source = make_source(2, 6, seed=7)
     dec = SpeculativeDecoder(model)
-    beam = dec.beam_search(source, beam_size=1, max_length=10, length_penalty=0.0)
+    beam = dec.beam_search(source, gamma=0, beam_size=1, max_length=10, length_penalty=0.0)
     greedy = dec.sample(source, temperature=0.0, max_length=10)
     for a, b in zip(beam.tokens, greedy.tokens):
         assert a.tolist() == b.tolist()
@@ -140,7 +140,7 @@ def test_beam_scores_are_forward_log_probs(eos, max_length):
     when it ended early) / len**length_penalty; 260 steps also cross the cache's first allocation."""
     model = make_model(0, eos=eos)
     source = make_source(5, 7, seed=2, lengths=[7, 5, 7, 2, 6])[: 5 if eos else 2]
-    out = SpeculativeDecoder(model).beam_search(source, beam_size=3, length_penalty=1.0, max_length=max_length)
+    out = SpeculativeDecoder(model).beam_search(source, gamma=0, beam_size=3, length_penalty=1.0, max_length=max_length)
     eos_id = model.eos_id["speech"]
     for i, tokens in enumerate(out.tokens):
         ended = tokens.numel() < max_length  # a sequence that ends at EOS is shorter than max_length
@@ -197,7 +197,7 @@ def test_beam_equals_reference_semantics_with_pruning(beam_size, length_penalty,
     model = make_model(12, dtype=torch.float64, cond_drop_prob=0.5 if cond_scale > 1 else 0.0)
     source = make_source(4, 7, seed=8, lengths=[7, 5, 3, 6])
     out = SpeculativeDecoder(model).beam_search(
-        source, beam_size=beam_size, length_penalty=length_penalty, max_length=12, cond_scale=cond_scale
+        source, gamma=0, beam_size=beam_size, length_penalty=length_penalty, max_length=12, cond_scale=cond_scale
     )
     steps = []
     for i in range(source.shape[0]):

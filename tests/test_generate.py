@@ -60,7 +60,7 @@ def test_return_source_and_mask_like_upstream(patched, source):
 
 @pytest.mark.parametrize("spec_decode", [False, True])
 def test_beam_search_in_spear_format(patched, source, spec_decode):
-    ref = SpeculativeDecoder(patched).beam_search(source, beam_size=3, max_length=MAX_LENGTH)
+    ref = SpeculativeDecoder(patched).beam_search(source, gamma=0, beam_size=3, max_length=MAX_LENGTH)
     out = patched.generate(
         source, **TTS, beam_search_decode=True, spec_decode=spec_decode, beam_size=3,
         spec_decode_gamma=4, max_length=MAX_LENGTH,
@@ -74,7 +74,7 @@ def test_beam_search_in_spear_format(patched, source, spec_decode):
 
 def test_functional_form_and_cfg_beam(patched, source):
     kw = dict(TTS, beam_search_decode=True, beam_size=2, max_length=MAX_LENGTH, cond_scale=2.0)
-    ref = SpeculativeDecoder(patched).beam_search(source, beam_size=2, max_length=MAX_LENGTH, cond_scale=2.0)
+    ref = SpeculativeDecoder(patched).beam_search(source, gamma=0, beam_size=2, max_length=MAX_LENGTH, cond_scale=2.0)
     expected = spear_format(ref.tokens, patched.eos_id["speech"], patched.semantic_pad_id, MAX_LENGTH)
     assert torch.equal(generate(patched, source, **kw, spec_decode=True), expected)
     assert tts_specdec.generate is generate
@@ -119,7 +119,7 @@ def test_speech_to_text_without_exit_head_uses_plain_paths():
     kw = dict(source_type="speech", target_type="text", max_length=MAX_LENGTH)
     out = model.generate(speech, **kw, beam_search_decode=True, spec_decode=True, beam_size=2)
     ref = SpeculativeDecoder(model, source_type="speech", target_type="text").beam_search(
-        speech, beam_size=2, max_length=MAX_LENGTH
+        speech, gamma=0, beam_size=2, max_length=MAX_LENGTH
     )
     assert torch.equal(out, spear_format(ref.tokens, model.eos_id["text"], model.text_pad_id, MAX_LENGTH))
     greedy = model.generate(speech, **kw, temperature=0.0, spec_decode=True)

@@ -15,7 +15,9 @@ MAX_LEN = 20
 
 
 def greedy(model, source, **kwargs):
-    return SpeculativeDecoder(model).sample(source, temperature=0.0, **kwargs)
+    """Greedy decoding at the given gamma, plain (gamma 0) unless told: not greedy's default "auto",
+    whose gammas depend on timings (tests/test_auto.py covers it)."""
+    return SpeculativeDecoder(model).sample(source, temperature=0.0, **{"gamma": 0, **kwargs})
 
 
 def assert_same_tokens(a, b):
@@ -124,7 +126,7 @@ def test_fused_plain_runs_equal_step_by_step(sources, monkeypatch, temperature, 
         monkeypatch.setattr(Decoder, "sample_steps", counted if fused else (lambda self, *a, **k: None))
         g = torch.Generator().manual_seed(11)
         out = SpeculativeDecoder(model).sample(sources[5], temperature=temperature, top_k=top_k, top_p=top_p,
-                                               cond_scale=cond_scale, max_length=MAX_LEN, generator=g)
+                                               cond_scale=cond_scale, max_length=MAX_LEN, generator=g, gamma=0)
         results.append((out, g.get_state()))
     (fused_out, fused_state), (ref_out, ref_state) = results
     assert runs and all(runs)

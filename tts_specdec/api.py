@@ -9,10 +9,11 @@ import torch
 from torch import Tensor
 
 from ._upstream import TextToSemantic
+from .auto import AUTO, Costs, CostModel, SamplingPolicy
 from .beam import beam_search_loop
 from .decoder import Decoder
 from .inputs import check_common, check_draft_cond_scale, check_float, check_gamma, check_int, eval_mode, prepare_source, walk
-from .results import Decoded, DecodeStats
+from .results import Decoded, DecodeStats, most_used_gamma
 from .sampling import SamplingConfig
 from .speculative import sample_loop
 
@@ -25,6 +26,7 @@ class SpeculativeDecoder:
             if value not in ("text", "speech"):
                 raise ValueError(f"{name} must be 'text' or 'speech', got {value!r}")
         self.decoder = Decoder(model, source_type, target_type)
+        self.costs = Costs()  # gamma="auto": this decoder's measured costs, kept across calls
 
     @property
     def model(self) -> TextToSemantic:
@@ -40,33 +42,50 @@ class SpeculativeDecoder:
         cond_scale: float = 1.0,
         max_length: int = 2048,
         generator: torch.Generator | None = None,
-        gamma: int = 0,
+        gamma: int | str | None = None,
         draft_confidence: float | None = None,
         draft_cond_scale: float | None = None,
     ) -> Decoded:
-        """Sample (temperature 0: greedy). gamma > 0 drafts with the early-exit head, losslessly; it pays
-        where verifying gamma + 1 tokens costs about one step (GPUs: 1.9-2.0x at gamma 4 on an H100,
-        shipped model): on CPUs with this package's kernels plain sampling runs many steps per call and
-        was as fast or faster (README).
+        """Sample (temperature 0: greedy), exactly from the target's distribution whatever the gamma.
+
+        gamma: tokens the early-exit head drafts per cycle for the target to verify in one pass (0: plain
+        decoding), or "auto": each cycle's gamma (0 included) and draft stops are chosen from a cost model
+        of this machine (draft steps and verify passes timed once per parameters, dtype, device and thread
+        count, kept by this object; `cost_model`) and the acceptance observed while decoding; it decodes
+        plainly wherever speculation is not predicted to beat plain decoding. Speculation pays where
+        verifying gamma + 1 tokens costs about one plain step.
+        Default (None): "auto" for greedy decoding (temperature 0), whose tokens are the same at every
+        gamma; 0 when sampling (temperature > 0), where the tokens follow the same law at every gamma but
+        a seeded run's tokens depend on the gammas used: pass gamma="auto" to opt in (a fixed generator
+        then reproduces a run on the same decoder and machine state). A model without an early-exit head
+        decodes plainly under "auto"; an int gamma > 0 needs one.
 
         draft_confidence: with gamma > 0, a row stops drafting early, after a drafted token the
-        draft gave less than this probability (gamma is then the most drafts per cycle).
-        draft_cond_scale: with gamma > 0 and cond_scale > 1, the guidance scale of the draft's logits
-        (default: cond_scale). Any draft keeps sampling exact; a weak draft often agrees better with
-        the guided target when mixed more gently (README: shipped model, cond_scale 3).
+        draft gave less than this probability (gamma is then the most drafts per cycle); with "auto", the
+        threshold of the draft stops auto always uses when it drafts (default: auto decides).
+        draft_cond_scale: with gamma > 0 or "auto" and cond_scale > 1, the guidance scale of the draft's
+        logits (default: cond_scale). Any draft keeps sampling exact; a weak draft often agrees better
+        with the guided target when mixed more gently.
+        stats: `gamma_hist` counts the cycles at each gamma; under "auto" `gamma` is the speculative gamma
+        of most cycles (0: decoded plainly) and `draft_confidence` the draft stops it used, if any.
         """
         max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
+        temperature = check_float("temperature", temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if gamma is None:  # auto where it cannot change the tokens (see above)
+            gamma = AUTO if temperature == 0 else 0
         gamma = check_gamma(gamma, self.decoder.exit_layer)
+        auto = gamma == AUTO
+        if auto and self.decoder.exit_layer is None:  # nothing to draft with: plain decoding
+            gamma = 0
         if draft_confidence is not None:
             draft_confidence = check_float("draft_confidence", draft_confidence)
             if not 0 < draft_confidence <= 1:
                 raise ValueError(f"draft_confidence must be in (0, 1], got {draft_confidence}")
             if not gamma:
-                raise ValueError("draft_confidence needs gamma > 0 (it ends drafts early)")
-        draft_cond_scale = check_draft_cond_scale(draft_cond_scale, cond_scale, gamma)
-        temperature = check_float("temperature", temperature)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+                raise ValueError("draft_confidence needs gamma > 0 or 'auto' and an early-exit head (it ends drafts)")
+        draft_cond_scale = check_draft_cond_scale(draft_cond_scale, cond_scale, None if gamma == AUTO else gamma)
         if top_k is not None:
             top_k = check_int("top_k", top_k, 1)
         if top_p is not None:
@@ -76,17 +95,26 @@ class SpeculativeDecoder:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         cfg = SamplingConfig(temperature, top_k, top_p)
-        stats, modules = self._begin("speculative" if gamma else "plain", gamma)
-        stats.draft_confidence = draft_confidence
+        stats, modules = self._begin()
         with eval_mode(self.model, modules):
             source = prepare_source(self.model, source, self.decoder.source_type)
+            policy = None
+            if gamma == AUTO:
+                policy = SamplingPolicy(self.costs.sampling(self.decoder), draft_confidence)
+                if not policy.pays:  # speculation cannot win here: plain decoding, no per-cycle choices
+                    policy, gamma = None, 0
             start = time.perf_counter()
             tokens = sample_loop(
-                self.decoder, source, cfg, gamma=gamma, cond_scale=cond_scale,
-                max_length=max_length, generator=generator, stats=stats, draft_confidence=draft_confidence,
-                draft_cond_scale=draft_cond_scale,
+                self.decoder, source, cfg, gamma=policy.max_gamma if policy else gamma, cond_scale=cond_scale,
+                max_length=max_length, generator=generator, stats=stats,
+                draft_confidence=None if auto else draft_confidence, draft_cond_scale=draft_cond_scale, auto=policy,
             )
             stats.wall_time = time.perf_counter() - start
+        if auto:
+            self._label(stats, "auto", most_used_gamma(stats.gamma_hist), policy.used_confidence if policy else None)
+        else:
+            self._label(stats, "speculative" if gamma else "plain", gamma, draft_confidence)
+        stats.auto = auto
         stats.layer_evals = list(self.decoder.layer_evals)
         return Decoded(tokens, None, stats)
 
@@ -98,30 +126,40 @@ class SpeculativeDecoder:
         length_penalty: float = 1.0,
         max_length: int = 2048,
         cond_scale: float = 1.0,
-        gamma: int = 0,
+        gamma: int | str = AUTO,
         draft_width: int | None = None,
     ) -> Decoded:
-        """Exact beam search over target log-probs. gamma > 0 drafts steps with the early-exit head and
-        verifies them in tree passes, with the same result. It was slower than gamma = 0 wherever
-        measured: 0.2-0.5x on CPUs with this package's kernels, 0.75-0.82x on an H100, where its per-step
-        bookkeeping in Python costs more than the passes it saves (README)."""
+        """Exact beam search over target log-probs.
+
+        gamma: draft levels per cycle (0: plain beam search): gamma > 0 drafts steps with the early-exit
+        head (draft_width W >= beam_size candidates per level, default beam_size) and verifies them in
+        tree passes, with the same result; "auto" (the default, since the result is the same at every
+        gamma) times short plain and speculative beam searches once per parameters, dtype, device,
+        thread count, beam size and width (W: draft_width, default 2 * beam_size) and speculates only
+        where that and the beam steps speculative cycles committed so far predict a win; otherwise it
+        runs plain beam search. A model without an early-exit head runs plain beam search under "auto".
+        """
         max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
         beam_size = check_int("beam_size", beam_size, 1)
         length_penalty = check_float("length_penalty", length_penalty)
         gamma = check_gamma(gamma, self.decoder.exit_layer)
+        auto = gamma == AUTO
         if draft_width is not None:
             draft_width = check_int("draft_width", draft_width, beam_size)
-        stats, modules = self._begin("speculative-beam" if gamma else "beam", gamma)
+        width = draft_width or (2 * beam_size if auto else beam_size)
+        stats, modules = self._begin()
         with eval_mode(self.model, modules):
             source = prepare_source(self.model, source, self.decoder.source_type)
+            if auto:
+                has_draft = self.decoder.exit_layer is not None
+                gamma = self.costs.beam_gamma(self.decoder, beam_size, width) if has_draft else 0
             start = time.perf_counter()
             if gamma:
                 from .spec_beam import spec_beam_search_loop
 
                 tokens, scores = spec_beam_search_loop(
                     self.decoder, source, beam_size=beam_size, length_penalty=length_penalty,
-                    max_length=max_length, cond_scale=cond_scale, gamma=gamma,
-                    draft_width=draft_width or beam_size, stats=stats,
+                    max_length=max_length, cond_scale=cond_scale, gamma=gamma, draft_width=width, stats=stats,
                 )
             else:
                 tokens, scores, steps = beam_search_loop(
@@ -130,16 +168,37 @@ class SpeculativeDecoder:
                 )
                 stats.steps = stats.target_passes = steps
             stats.wall_time = time.perf_counter() - start
+        if auto and gamma:  # what its cycles committed informs the next auto call
+            self.costs.observe_beam(gamma, stats.committed_hist)
+        mode = "auto-beam" if auto else "speculative-beam" if gamma else "beam"
+        self._label(stats, mode, gamma, None)
+        stats.auto = auto
+        stats.gamma_hist = [0] * gamma + [stats.steps]
         eos = self.decoder.eos_id
         tokens = [t[:-1] if eos is not None and t.numel() and int(t[-1]) == eos else t for t in tokens]
         stats.generated_tokens = sum(t.numel() for t in tokens)
         stats.layer_evals = list(self.decoder.layer_evals)
         return Decoded(tokens, scores, stats)
 
-    def _begin(self, mode: str, gamma: int) -> tuple[DecodeStats, list[torch.nn.Module]]:
+    def cost_model(self) -> CostModel | None:
+        """The cost model gamma="auto" decides speculative sampling with, for the model's parameters,
+        dtype, device and the thread count as they are now (measured on the first call for them, then
+        kept); None for a model without an early-exit head."""
+        if self.decoder.exit_layer is None:
+            return None
+        modules, params = walk(self.model)
+        self.decoder.begin(params)
+        with eval_mode(self.model, modules):
+            return self.costs.sampling(self.decoder)
+
+    def _begin(self) -> tuple[DecodeStats, list[torch.nn.Module]]:
         """Start a decode call: the decoder's weights checked against the model's (one walk of the model
         gives its parameters for that and its modules for `eval_mode`), fresh stats."""
         modules, params = walk(self.model)
         self.decoder.begin(params)
         self.decoder.layer_evals = [0] * self.decoder.depth
-        return DecodeStats(mode=mode, gamma=gamma, exit_layer=self.decoder.exit_layer if gamma else None), modules
+        return DecodeStats(), modules
+
+    def _label(self, stats: DecodeStats, mode: str, gamma: int, draft_confidence: float | None) -> None:
+        stats.mode, stats.gamma, stats.draft_confidence = mode, gamma, draft_confidence
+        stats.exit_layer = self.decoder.exit_layer if gamma else None

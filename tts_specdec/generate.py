@@ -9,9 +9,12 @@ Mapping of spear-tts's arguments:
 - sampling (default): temperature 0 is greedy; `filter_logits_fn` = spear-tts `top_k` (its default:
   keep ceil(thres * V) logits, thres 0.1, or `k`) or `top_p` (`thres`, default 0.9) becomes our filter;
   spec_decode=True uses exact speculative sampling with `spec_decode_gamma` drafts (at most, with the
-  added keywords `draft_confidence` and `draft_cond_scale`).
+  added keywords `draft_confidence` and `draft_cond_scale`; "auto" lets `SpeculativeDecoder.sample`
+  choose). Without spec_decode, greedy decoding (temperature 0) runs with gamma="auto": it speculates
+  only where that is predicted to be faster, and its tokens are greedy's either way.
 - beam_search_decode=True: our exact batched beam search (`length_penalty`, default 1.0, is an added
-  keyword); with spec_decode=True too, speculative beam search, which returns the same result.
+  keyword); with spec_decode=True too, speculative beam search at `spec_decode_gamma`, which returns the
+  same result; without, gamma="auto" (speculative only where predicted faster, the same result).
 - directions without an early-exit head (speech -> text) ignore spec_decode and run the plain loops.
 - output: LongTensor (batch, n) padded with the target pad id; a row that ended keeps its EOS, then
   padding (spear-tts's `mask_after_eos`); `return_source` / `return_target_mask` as spear-tts.
@@ -52,7 +55,7 @@ def generate(
     max_length: int = 2048,
     beam_search_decode: bool = False,
     spec_decode: bool = False,
-    spec_decode_gamma: int = 5,
+    spec_decode_gamma: int | str = 5,
     spec_decode_lenience: float = 1.0,
     beam_size: int = 4,
     return_source: bool = False,
@@ -72,7 +75,13 @@ def generate(
         raise ValueError("source_mask must equal source != pad id (masks that differ from the padding are not supported)")
     if spec_decode_lenience != 1.0:
         warnings.warn("spec_decode_lenience is ignored: speculative decoding here is exact", stacklevel=2)
-    gamma = spec_decode_gamma if spec_decode and dec.decoder.exit_layer is not None else 0
+    # spec_decode: the caller's gamma; else "auto" where gamma cannot change the output (greedy and beam
+    # search: `SpeculativeDecoder`'s defaults), plain sampling otherwise
+    has_draft = dec.decoder.exit_layer is not None
+    if spec_decode:
+        gamma: int | str | None = spec_decode_gamma if has_draft else 0
+    else:
+        gamma = "auto" if beam_search_decode else None
     filter_fn = _spear.top_k if filter_logits_fn is None else filter_logits_fn
     kwargs = dict(filter_fn_kwargs or {})
 
@@ -95,8 +104,8 @@ def generate(
         out = dec.sample(
             ids, temperature=temperature, top_k=top_k, top_p=top_p, cond_scale=cond_scale,
             max_length=max_length, generator=generator, gamma=gamma,
-            draft_confidence=draft_confidence if gamma else None,
-            draft_cond_scale=draft_cond_scale if gamma and cond_scale > 1 else None,
+            draft_confidence=draft_confidence if spec_decode and gamma else None,
+            draft_cond_scale=draft_cond_scale if spec_decode and gamma and cond_scale > 1 else None,
         )
     target = _pad(out.tokens, dec.decoder.eos_id, model.pad_id[target_type], max_length, ids.device)
     returned = [target]

@@ -92,7 +92,15 @@ def check_common(model: TextToSemantic, *, max_length: object, cond_scale: objec
     return max_length, cond_scale
 
 
-def check_gamma(gamma: object, exit_layer: int | None) -> int:
+def check_gamma(gamma: object, exit_layer: int | None) -> int | str:
+    """An int >= 0, or "auto" (returned as is; `auto.AUTO`). An int > 0 needs a draft (an early-exit head);
+    "auto" on a model without one is the caller's to resolve to 0."""
+    if isinstance(gamma, str):
+        if gamma != "auto":
+            raise ValueError(f"gamma must be an int >= 0 or 'auto', got {gamma!r}")
+        return gamma
+    if isinstance(gamma, bool) or not isinstance(gamma, numbers.Integral):
+        raise TypeError(f"gamma must be an int or 'auto', got {type(gamma).__name__}")
     gamma = check_int("gamma", gamma, 0)
     if gamma > 0 and exit_layer is None:
         raise ValueError(

@@ -19,7 +19,9 @@ class DecodeStats:
     wall_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
-    gamma: int = 0
+    gamma: int = 0  # gamma="auto": the speculative gamma most cycles used (0: it decoded plainly)
+    auto: bool = False  # gamma was chosen by gamma="auto" (tts_specdec.auto)
+    gamma_hist: list[int] = field(default_factory=list)  # [g] = cycles at gamma g (plain: [0] = steps)
     draft_confidence: float | None = None  # speculative sampling: drafting stops below this q(x)
     exit_layer: int | None = None
     layer_evals: list[int] = field(default_factory=list)  # token-layer evaluations per decoder layer
@@ -36,15 +38,19 @@ class DecodeStats:
         """The counters of several decode calls with the same settings, summed (histograms too)."""
         if not parts:
             raise ValueError("parts must hold at least one DecodeStats")
-        out = cls(mode=parts[0].mode, gamma=parts[0].gamma, draft_confidence=parts[0].draft_confidence,
-                  exit_layer=parts[0].exit_layer)
+        out = cls(mode=parts[0].mode, gamma=parts[0].gamma, auto=parts[0].auto,
+                  draft_confidence=parts[0].draft_confidence, exit_layer=parts[0].exit_layer)
         for name in ("steps", "target_passes", "draft_passes", "generated_tokens", "wall_time", "draft_time",
                      "verify_time", "drafted", "accepted", "rejections"):
             setattr(out, name, sum(getattr(p, name) for p in parts))
-        for name in ("layer_evals", "accepted_hist", "committed_hist"):
+        for name in ("layer_evals", "accepted_hist", "committed_hist", "gamma_hist"):
             lists = [getattr(p, name) for p in parts if getattr(p, name)]
             width = max((len(x) for x in lists), default=0)
             setattr(out, name, [sum(x[i] for x in lists if i < len(x)) for i in range(width)])
+        if out.auto:  # calls may have picked different gammas: describe the sum
+            out.gamma = most_used_gamma(out.gamma_hist)
+            out.exit_layer = next((p.exit_layer for p in parts if p.exit_layer is not None), None)
+            out.draft_confidence = next((p.draft_confidence for p in parts if p.draft_confidence is not None), None)
         return out
 
     @property
@@ -98,6 +104,12 @@ class DecodeStats:
     def upper_evals(self) -> int:
         """Token-layer evaluations of layers E+1..L."""
         return sum(self.layer_evals[self.exit_layer or 0 :])
+
+
+def most_used_gamma(gamma_hist: list[int]) -> int:
+    """The speculative gamma (> 0) of the most cycles in a gamma histogram; 0 when none drafted."""
+    used = [(n, g) for g, n in enumerate(gamma_hist) if g and n]
+    return max(used)[1] if used else 0
 
 
 @dataclass

@@ -9,20 +9,26 @@ Layers 1..E are shared: their K/V, written by the draft, serve the target too, s
 them twice (rejected drafts are the only wasted work). On the CPU kernels the whole draft phase is one
 call (`Decoder.draft`), early draft stops, top-k/top-p and guidance included, and plain sampling
 (gamma = 0) runs up to PLAIN_STEPS steps per call (`Decoder.sample_steps`), each drawn as the step-by-step
-loop draws it.
+loop draws it. With gamma="auto" (`auto.SamplingPolicy`) gamma and draft stops may change from cycle to
+cycle; every cycle is exact on its own, so the output law stays the target's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .decoder import Decoder
+from .cache import KVCache
+from .decoder import Decoder, Encoded
 from .results import DecodeStats
 from .sampling import Acceptance, SamplingConfig, cfg_mix, draw, greedy_accept, probabilities, speculative_accept
 from .timing import PhaseClock
+
+if TYPE_CHECKING:
+    from .auto import SamplingPolicy
 
 
 # plain sampling steps per kernel call: the call's fixed cost (~20 us) spread over them; a run ends early
@@ -68,6 +74,7 @@ def sample_loop(
     stats: DecodeStats,
     draft_confidence: float | None = None,
     draft_cond_scale: float | None = None,
+    auto: SamplingPolicy | None = None,
 ) -> list[Tensor]:
     """Returns each row's generated tokens (EOS and everything after it removed).
 
@@ -75,6 +82,8 @@ def sample_loop(
     (up to gamma drafts per cycle); the cycle's drafting ends when every row stopped. The stopping
     rule reads only the draft's own distribution, so acceptance stays exact for each row's length.
     draft_cond_scale: the guidance scale of the draft's logits (None: cond_scale).
+    auto: picks each cycle's gamma and draft stops instead (`gamma`: the most it picks) and is told what
+    every cycle accepted.
     """
     batch, device = source.shape[0], source.device
     guide = _Guidance(cond_scale > 1, cond_scale, cond_scale if draft_cond_scale is None else draft_cond_scale)
@@ -82,26 +91,33 @@ def sample_loop(
     cache = dec.new_cache(enc.rows, min(max_length, 256) + gamma + 2)
     out: list[list[int]] = [[] for _ in range(batch)]
     rows = _Rows(list(range(batch)), [0] * batch, dec.start(enc.rows))
-    trunk = range(dec.exit_layer) if gamma else range(0)
-    upper = range(len(trunk), dec.depth)
     clock = PhaseClock(device)
 
     while rows.index:
+        g, confidence = auto.next() if auto is not None else (gamma, draft_confidence)
+        trunk = range(dec.exit_layer) if g else range(0)
+        upper = range(len(trunk), dec.depth)
         # plain sampling runs PLAIN_STEPS steps per kernel call (rows advance together: same length)
-        steps = gamma or min(PLAIN_STEPS, max_length - len(out[rows.index[0]]))
+        steps = g or min(PLAIN_STEPS, max_length - len(out[rows.index[0]]))
         cache.grow(max(rows.pos) + steps + 2)
         pos_t = torch.tensor(rows.pos, device=device)
         t0 = clock.mark()
-        run = None if gamma else dec.sample_steps(rows.x, pos_t, steps, cfg.temperature, generator, enc, cache,
-                                                  cfg.top_k, cfg.top_p, cond_scale)
+        run = None if g else dec.sample_steps(rows.x, pos_t, steps, cfg.temperature, generator, enc, cache,
+                                              cfg.top_k, cfg.top_p, cond_scale)
         if run is not None:
             tokens, rows.x = run
             new = tokens.tolist()
             clock.add("verify", t0, clock.mark())
-            _count(stats, [], None, 0, gamma, passes=tokens.shape[1])
+            _count(stats, [], None, 0, 0, passes=tokens.shape[1])
+            if auto is not None:
+                auto.plain(tokens.shape[1])
         else:
-            new, rows.x = _cycle(dec, rows.x, pos_t, gamma, trunk, upper, enc, cache, cfg, generator, guide,
-                                 draft_confidence, stats, clock)
+            new, rows.x, accepted, proposed = _cycle(dec, rows.x, pos_t, g, trunk, upper, enc, cache, cfg, generator,
+                                                     guide, confidence, stats, clock)
+            if auto is not None and proposed is not None:
+                auto.observe(accepted, proposed)
+            elif auto is not None:
+                auto.plain(1)
         # commit: each row's new tokens (a plain run, or accepted drafts and the correction/bonus token);
         # a row ends at EOS or max_length
         keep = []
@@ -130,10 +146,11 @@ def _cycle(
     dec: Decoder, x0: Tensor, pos_t: Tensor, gamma: int, trunk: range, upper: range, enc, cache, cfg: SamplingConfig,
     generator: torch.Generator | None, guide: _Guidance, draft_confidence: float | None, stats: DecodeStats,
     clock: PhaseClock,
-) -> tuple[list[list[int]], Tensor]:
+) -> tuple[list[list[int]], Tensor, list[int], list[int] | None]:
     """One draft -> verify -> accept cycle (gamma = 0: one plain step) from each row's pending input x0
     (rows, 1, dim) at pos_t; returns each sequence's new tokens (accepted drafts, then the correction or
-    bonus token) and the next pending input."""
+    bonus token), the next pending input, and each sequence's accepted and proposed drafts (None
+    without drafts)."""
     t0 = clock.mark()
     start = dec.start_of(pos_t, guide.on)
     # draft: gamma tokens from the exit head, keeping every exit state for the target
@@ -158,7 +175,19 @@ def _cycle(
         proposed = limit.tolist() if limit is not None else [drafts.shape[1]] * len(accepted)
     _count(stats, accepted, proposed, len(drafted[0]), gamma)
     new = [d[:k] + [t] for d, k, t in zip(drafted, accepted, next_token)]
-    return new, dec.embed(acc.next_token[:, None], guide.on)
+    return new, dec.embed(acc.next_token[:, None], guide.on), accepted, proposed
+
+
+def probe_cycle(dec: Decoder, x: Tensor, pos: Tensor, gamma: int, enc: Encoded, cache: KVCache) -> float:
+    """One greedy unguided cycle at `gamma` (0: one plain step) from pending input x (rows, 1, dim) at
+    slots pos (rows,), committing nothing: the cache keeps its lengths and a second call overwrites the
+    same slots. What `auto` times to measure what a cycle costs; returns its draft phase's seconds."""
+    trunk = range(dec.exit_layer) if gamma else range(0)
+    stats, clock = DecodeStats(), PhaseClock(x.device)
+    _cycle(dec, x, pos, gamma, trunk, range(len(trunk), dec.depth), enc, cache, SamplingConfig(0.0), None,
+           _Guidance(False, 1.0, 1.0), None, stats, clock)
+    clock.into(stats)
+    return stats.draft_time
 
 
 def _draft_steps(
@@ -216,15 +245,21 @@ def _count(
     passes: int = 1,
 ) -> None:
     """One cycle's counters; `limit`: drafts each row proposed (None without drafts); `passes`: target
-    passes (plain steps) the cycle made."""
+    passes (plain steps) the cycle made; `gamma`: its most drafts per row (0: plain)."""
     stats.steps += passes
     stats.target_passes += passes
     stats.draft_passes += draft_steps
+    _grow(stats.gamma_hist, gamma + 1)
+    stats.gamma_hist[gamma] += passes
     if limit is not None:
         stats.drafted += sum(limit)
         stats.accepted += sum(accepted)
         stats.rejections += sum(a < n for a, n in zip(accepted, limit))
-        if not stats.accepted_hist:
-            stats.accepted_hist = [0] * (gamma + 1)
+        _grow(stats.accepted_hist, gamma + 1)
         for a in accepted:
             stats.accepted_hist[a] += 1
+
+
+def _grow(hist: list[int], size: int) -> None:
+    """A histogram long enough for `size` bins (auto's gamma can grow from cycle to cycle)."""
+    hist.extend([0] * (size - len(hist)))

@@ -1,0 +1,436 @@
+"""gamma="auto": the pure choosers on synthetic costs, the per-call policy on scripted acceptance, the
+cost model's caching, and auto decoding returning what plain decoding returns.
+
+Nothing here passes or fails on a timing: where a decision matters the measured cost model is replaced
+by a synthetic one (`costs` fixture); where the real measurement runs, only what cannot depend on it
+(outputs, caching, shapes) is checked.
+"""
+
+import pytest
+import torch
+
+from tts_specdec import DecodeStats, SpeculativeDecoder, auto, patch
+from tts_specdec.auto import (
+    DRAFT_CONFIDENCE, HALF_LIFE, MARGIN, MAX_GAMMA, BeamCosts, CostModel, SamplingPolicy, choose_beam_gamma,
+    choose_gamma, expected_tokens, stops_pay,
+)
+
+from conftest import SEMANTIC_VOCAB, make_model, make_source
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_LEN = 20
+N = MAX_GAMMA + 1  # v is given for n = 1..N
+
+
+def costs_of(c: float, v) -> CostModel:
+    return CostModel(1e-3, c, tuple(float(v(n)) for n in range(1, N + 1)))
+
+
+# verifying is nearly free and drafting cheap (a launch-bound GPU): speculation pays at any decent alpha
+CHEAP = costs_of(0.05, lambda n: 1.0)
+# each token verified costs 0.4 of a step (a CPU): pays above alpha ~0.6, and draft stops pay
+STEEP = costs_of(0.1, lambda n: 1.0 + 0.4 * (n - 1))
+# every token costs a full step's compute wherever it runs: speculation never pays
+COMPUTE_BOUND = costs_of(0.3, lambda n: 0.3 + 0.7 * n)
+
+
+@pytest.fixture
+def sources():
+    return {1: make_source(1, 7, seed=0), 4: make_source(4, 7, seed=0, lengths=[7, 5, 7, 2]),
+            5: make_source(5, 7, seed=2, lengths=[7, 5, 7, 2, 6])}
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Counts real measurements: {'sampling': n, 'beam': n}."""
+    counts = {"sampling": 0, "beam": 0}
+    sampling, beam = auto.measure_sampling, auto.measure_beam
+
+    def count_sampling(dec):
+        counts["sampling"] += 1
+        return sampling(dec)
+
+    def count_beam(dec, beam_size, draft_width):
+        counts["beam"] += 1
+        return beam(dec, beam_size, draft_width)
+
+    monkeypatch.setattr(auto, "measure_sampling", count_sampling)
+    monkeypatch.setattr(auto, "measure_beam", count_beam)
+    return counts
+
+
+@pytest.fixture
+def costs(monkeypatch):
+    """Install synthetic costs instead of measuring: costs(sampling=CostModel, beam=BeamCosts)."""
+    def install(sampling: CostModel | None = None, beam: BeamCosts | None = None):
+        def no_measuring(*args):
+            raise AssertionError("measured although synthetic costs were installed")
+
+        monkeypatch.setattr(auto, "measure_sampling", (lambda dec: sampling) if sampling else no_measuring)
+        monkeypatch.setattr(auto, "measure_beam", (lambda dec, k, w: beam) if beam else no_measuring)
+    return install
+
+
+def tokens(out):
+    return [t.tolist() for t in out.tokens]
+
+
+def greedy(dec, source, **kwargs):
+    return dec.sample(source, temperature=0.0, max_length=MAX_LEN, **kwargs)
+
+
+# ---- the chooser, on synthetic costs -----------------------------------------------------------
+
+
+def test_cheap_verify_and_good_draft_speculate():
+    assert 3 <= choose_gamma(0.15, [1.0] * N, 0.85, MAX_GAMMA) <= 6
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 0.85, 0.99, 1.0])
+def test_compute_bound_verify_never_speculates(alpha):
+    """v(n) = c + (1 - c) n: a cycle costs its tokens' full compute, so it can only tie plain decoding."""
+    assert choose_gamma(COMPUTE_BOUND.c, COMPUTE_BOUND.v, alpha, MAX_GAMMA) == 0
+    assert choose_gamma(0.15, [float(n) for n in range(1, N + 1)], alpha, MAX_GAMMA) == 0  # v(n) = n
+
+
+def test_nothing_accepted_never_speculates():
+    assert choose_gamma(0.0, [1.0] * N, 0.0, MAX_GAMMA) == 0
+
+
+def test_max_gamma_and_length_of_v_bound_the_choice():
+    assert choose_gamma(0.0, [1.0] * N, 1.0, MAX_GAMMA) == MAX_GAMMA  # free drafts, all accepted: the most
+    assert choose_gamma(0.0, [1.0] * N, 1.0, 3) == 3
+    assert choose_gamma(0.0, [1.0] * N, 1.0, 0) == 0
+    assert choose_gamma(0.0, [1.0] * 4, 1.0, MAX_GAMMA) == 3  # v known for n <= 4
+
+
+def test_margin_is_inclusive():
+    v = [1.0, 1.5]  # gamma 1, every draft accepted: 2 tokens for 1.5 steps
+    assert choose_gamma(0.0, v, 1.0, 1, margin=2 / 1.5) == 1
+    assert choose_gamma(0.0, v, 1.0, 1, margin=2 / 1.5 + 1e-9) == 0
+    assert choose_gamma(0.0, [1.0, 2 / 1.04], 1.0, 1) == 0  # a 4% win is below MARGIN
+    assert MARGIN == pytest.approx(1.05)
+
+
+def test_alpha_one_is_the_limit_of_alpha_below_one():
+    for c, v in [(0.05, CHEAP.v), (0.1, STEEP.v), (0.2, [1.0 + 0.1 * n for n in range(N)])]:
+        assert choose_gamma(c, v, 1.0, MAX_GAMMA) == choose_gamma(c, v, 1 - 1e-9, MAX_GAMMA)
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1 and expected_tokens(0.5, 1) == 1.5
+    assert expected_tokens(1 - 1e-9, 4) == pytest.approx(5)
+
+
+@pytest.mark.parametrize("c, v", [(CHEAP.c, CHEAP.v), (STEEP.c, STEEP.v), (0.3, [1.0 + 0.05 * n for n in range(N)])])
+def test_choice_is_monotone(c, v):
+    """More acceptance never shortens the draft; dearer drafts, or verify passes dearer per token,
+    never lengthen it; a larger max_gamma never shortens it."""
+    alphas = [i / 20 for i in range(21)]
+    by_alpha = [choose_gamma(c, v, a, MAX_GAMMA) for a in alphas]
+    assert by_alpha == sorted(by_alpha) and by_alpha[0] == 0
+    for a in (0.6, 0.8, 0.95):
+        by_c = [choose_gamma(c * k, v, a, MAX_GAMMA) for k in (1, 1.5, 2, 4, 8)]
+        assert by_c == sorted(by_c, reverse=True)
+        by_v = [choose_gamma(c, [x + k * n for n, x in enumerate(v)], a, MAX_GAMMA) for k in (0, 0.05, 0.2, 1)]
+        assert by_v == sorted(by_v, reverse=True)
+        by_max = [choose_gamma(c, v, a, m) for m in range(MAX_GAMMA + 1)]
+        assert by_max == sorted(by_max)
+
+
+@pytest.mark.parametrize("args", [(0.1, [1.0] * N, 1.5), (0.1, [1.0] * N, -0.1), (-0.1, [1.0] * N, 0.5),
+                                  (0.1, [], 0.5), (0.1, [1.0, 0.0], 0.5)])
+def test_chooser_rejects_bad_costs(args):
+    with pytest.raises(ValueError):
+        choose_gamma(*args, MAX_GAMMA)
+
+
+def test_draft_stops_pay_where_verified_tokens_cost_compute():
+    assert not stops_pay(CHEAP) and stops_pay(STEEP)
+    assert not stops_pay(costs_of(0.1, lambda n: 1.0 + 0.05 * n))  # below STOPS_MIN_SLOPE
+    assert stops_pay(costs_of(0.1, lambda n: 1.0 + 0.1 * n))
+
+
+def test_beam_chooser():
+    # plain beam step 1 ms; speculative cycles 4 and 6 ms committing 1.5 steps: slower
+    assert choose_beam_gamma(1.0, [4.0, 6.0], [1.5, 1.5]) == 0
+    assert choose_beam_gamma(1.0, [1.2, 1.6], [1.5, 2.5]) == 2  # 1.25x and 1.56x
+    assert choose_beam_gamma(1.0, [1.2, 1.2], [1.5, 1.5]) == 1  # a tie keeps the shorter draft
+    assert choose_beam_gamma(1.0, [1.5 / 1.04], [1.5]) == 0  # a 4% win is below MARGIN
+    assert choose_beam_gamma(1.0, [], []) == 0
+
+
+# ---- the per-call policy, on scripted acceptance -------------------------------------------------
+
+
+def test_policy_decodes_plainly_where_speculation_cannot_pay():
+    policy = SamplingPolicy(COMPUTE_BOUND)
+    assert not policy.pays and policy.next() == (0, None)
+    policy.observe([5], [5])  # even a perfect draft changes nothing
+    assert policy.next() == (0, None)
+
+
+def test_policy_follows_acceptance_and_tries_again_after_plain_runs():
+    policy = SamplingPolicy(STEEP)
+    gamma, confidence = policy.next()
+    assert confidence == DRAFT_CONFIDENCE  # the prior speculates, with stops (STEEP) as far as alpha 1 pays
+    assert gamma == choose_gamma(STEEP.c, STEEP.v, 1.0, MAX_GAMMA) > choose_gamma(STEEP.c, STEEP.v, 0.8, MAX_GAMMA)
+    for _ in range(3):  # every draft rejected
+        policy.observe([0, 0], [gamma, gamma])
+    assert policy.alpha < 0.5 and policy.next() == (0, None)
+    policy.plain(4 * int(HALF_LIFE))  # nothing judged for a while: the prior returns
+    assert policy.next()[0] > 0
+    for _ in range(20):  # every draft accepted
+        g = policy.next()[0]
+        policy.observe([g], [g])
+    assert policy.alpha > 0.95 and policy.next()[0] >= gamma
+
+
+def test_policy_without_stops_drafts_what_the_acceptance_pays_for():
+    policy = SamplingPolicy(CHEAP)
+    gamma, confidence = policy.next()
+    assert gamma == choose_gamma(CHEAP.c, CHEAP.v, auto.PRIOR_ALPHA, MAX_GAMMA) and 0 < gamma < MAX_GAMMA
+    assert confidence is None  # stops do not pay where verifying is free
+    for _ in range(10):
+        g = policy.next()[0]
+        policy.observe([g, g], [g, g])
+    assert policy.next() == (MAX_GAMMA, None)  # every draft accepted: the longest draft
+    for _ in range(30):  # then every draft rejected, for 30 tokens per row
+        g = policy.next()[0]
+        policy.observe([0, 0], [g, g])
+    assert 0 < policy.next()[0] < gamma
+    assert SamplingPolicy(CHEAP, confidence=0.7).next() == (MAX_GAMMA, 0.7)  # the caller's stops
+
+
+# ---- the cost model: measured once per state, no side effects ----------------------------------
+
+
+def test_cost_model_is_measured_once_per_state(sources, measured):
+    model = make_model(0)
+    dec = SpeculativeDecoder(model)
+    plain = tokens(greedy(dec, sources[4], gamma=0))
+    assert measured["sampling"] == 0  # an int gamma measures nothing
+    for _ in range(2):
+        assert tokens(greedy(dec, sources[4])) == plain
+    assert measured["sampling"] == 1
+    costs = dec.cost_model()
+    assert measured["sampling"] == 1 and isinstance(costs, CostModel)
+    assert costs.t_step > 0 and costs.c >= 0 and len(costs.v) == N and min(costs.v) > 0
+    torch.set_num_threads(2)
+    try:
+        assert tokens(greedy(dec, sources[4])) == plain
+        assert measured["sampling"] == 2  # another thread count: measured again
+    finally:
+        torch.set_num_threads(1)
+    greedy(dec, sources[4])
+    assert measured["sampling"] == 2 and dec.cost_model() is costs  # back to one thread: kept
+    with torch.no_grad():
+        model.to_logits["speech"].weight.mul_(1.5)
+    changed = tokens(greedy(dec, sources[4], gamma=0))
+    assert tokens(greedy(dec, sources[4])) == changed
+    assert measured["sampling"] == 3  # other parameters: measured again
+    assert SpeculativeDecoder(model).cost_model() is not None and measured["sampling"] == 4  # per decoder
+
+
+def test_measuring_changes_no_counter_and_no_output(sources, costs):
+    model = make_model(0)
+    dec = SpeculativeDecoder(model)
+    dec.decoder.begin()
+    dec.decoder.layer_evals = [7] * dec.decoder.depth
+    with torch.inference_mode():
+        auto.measure_sampling(dec.decoder)
+        auto.measure_beam(dec.decoder, 2, 4)
+    assert dec.decoder.layer_evals == [7] * dec.decoder.depth
+    costs(sampling=COMPUTE_BOUND)  # auto decodes plainly: the same counters as plain decoding
+    plain, chosen = greedy(dec, sources[5], gamma=0), greedy(dec, sources[5])
+    assert tokens(chosen) == tokens(plain) and chosen.stats.layer_evals == plain.stats.layer_evals
+    assert chosen.stats.gamma_hist == plain.stats.gamma_hist == [plain.stats.steps]
+    assert (chosen.stats.mode, chosen.stats.gamma, chosen.stats.auto) == ("auto", 0, True)
+    assert (plain.stats.mode, plain.stats.auto) == ("plain", False)
+
+
+# ---- auto decoding returns what plain decoding returns ------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_greedy_default_is_auto_and_equals_plain(sources, measured, batch):
+    dec = SpeculativeDecoder(make_model(0))
+    out = greedy(dec, sources[batch])
+    assert tokens(out) == tokens(greedy(dec, sources[batch], gamma=0))
+    assert out.stats.auto and out.stats.mode == "auto" and measured["sampling"] == 1
+    assert sum(out.stats.gamma_hist) == out.stats.steps
+
+
+@pytest.mark.parametrize("synthetic", ["CHEAP", "STEEP"])
+@pytest.mark.parametrize("cond_scale", [1.0, 3.0], ids=["unguided", "cfg-3"])
+def test_speculating_auto_greedy_equals_plain(sources, costs, synthetic, cond_scale):
+    costs(sampling={"CHEAP": CHEAP, "STEEP": STEEP}[synthetic])
+    dec = SpeculativeDecoder(make_model(5, cond_drop_prob=0.5))
+    out = greedy(dec, sources[5], gamma="auto", cond_scale=cond_scale)
+    assert tokens(out) == tokens(greedy(dec, sources[5], gamma=0, cond_scale=cond_scale))
+    s = out.stats
+    assert sum(s.gamma_hist[1:]) > 0 and s.gamma > 0 and s.exit_layer == dec.decoder.exit_layer
+    assert s.draft_confidence == (DRAFT_CONFIDENCE if synthetic == "STEEP" else None)
+    assert sum(s.accepted_hist) > 0 and len(s.accepted_hist) == len(s.gamma_hist)
+    if synthetic == "STEEP":  # rows stopped drafting early: fewer drafts than the most for every row-cycle
+        assert s.drafted < (len(s.gamma_hist) - 1) * sum(s.accepted_hist)
+
+
+def equal_draft_model():
+    """Exit after the last layer with the final head copied: the draft is the target."""
+    model = make_model(6, exit_layer=4, eos=False)
+    head = model.to_early_exit_semantic_logits
+    with torch.no_grad():
+        head[0].fn[-1].weight.zero_()
+        head[0].fn[-1].bias.zero_()  # Residual(FeedForward) is now the identity
+        head[1].gamma.copy_(model.target_transformer.final_norm.gamma)
+        head[2].weight.copy_(model.to_logits["speech"].weight)
+    return model
+
+
+def random_draft_model():
+    """An exit head unrelated to the target: about 1 in 12 greedy drafts accepted."""
+    model = make_model(7, eos=False, exit_layer=1)
+    torch.manual_seed(123)
+    with torch.no_grad():
+        for p in model.to_early_exit_semantic_logits.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 3.0)
+    return model
+
+
+@pytest.mark.parametrize("draft", ["equal", "random"])
+def test_auto_follows_what_the_draft_gets_accepted(sources, costs, draft):
+    """A draft equal to the target keeps auto speculating; an unrelated one sends it to plain decoding,
+    with a probe now and then (STEEP pays only above alpha ~0.6)."""
+    costs(sampling=STEEP)
+    dec = SpeculativeDecoder(equal_draft_model() if draft == "equal" else random_draft_model())
+    out = dec.sample(sources[4], temperature=0.0, max_length=80)
+    assert tokens(out) == tokens(dec.sample(sources[4], temperature=0.0, max_length=80, gamma=0))
+    plain_steps, cycles = out.stats.gamma_hist[0], sum(out.stats.gamma_hist[1:])
+    if draft == "equal":
+        assert plain_steps == 0 and out.stats.alpha == 1.0
+        assert out.stats.gamma == choose_gamma(STEEP.c, STEEP.v, 1.0, MAX_GAMMA)  # it settles at alpha 1's gamma
+    else:
+        assert cycles > 1 and plain_steps > 4 * cycles and out.stats.alpha < 0.25
+
+
+def test_beam_search_default_is_auto_and_equals_plain(measured):
+    model = make_model(12, dtype=torch.float64)  # speculative beam search equals plain exactly in float64
+    source = make_source(4, 7, seed=8, lengths=[7, 5, 3, 6])
+    dec = SpeculativeDecoder(model)
+    out = dec.beam_search(source, beam_size=3, max_length=12)
+    plain = dec.beam_search(source, gamma=0, beam_size=3, max_length=12)
+    assert tokens(out) == tokens(plain) and max(abs(a - b) for a, b in zip(out.scores, plain.scores)) < 1e-9
+    assert out.stats.auto and out.stats.mode == "auto-beam" and measured["beam"] == 1
+    dec.beam_search(source, beam_size=3, max_length=12)
+    assert measured["beam"] == 1  # kept
+    dec.beam_search(source, beam_size=2, max_length=12)
+    assert measured["beam"] == 2  # per beam size (and width)
+
+
+def test_beam_search_speculates_only_where_predicted_faster(costs):
+    model = make_model(12, dtype=torch.float64)
+    source = make_source(4, 7, seed=8, lengths=[7, 5, 3, 6])
+    kw = dict(beam_size=3, max_length=12)
+    costs(beam=BeamCosts(1e-3, (4e-3, 6e-3)))  # cycles far dearer than the steps they save
+    dec = SpeculativeDecoder(model)
+    plain = dec.beam_search(source, gamma=0, **kw)
+    out = dec.beam_search(source, **kw)
+    assert out.stats.gamma == 0 and out.stats.gamma_hist == [plain.stats.steps] and not out.stats.committed_hist
+    costs(beam=BeamCosts(1e-3, (1e-4, 1e-4)))  # cycles almost free
+    dec = SpeculativeDecoder(model)
+    out = dec.beam_search(source, **kw)
+    assert out.stats.gamma == 1 and out.stats.exit_layer == model.early_exit_layer and sum(out.stats.committed_hist)
+    assert tokens(out) == tokens(plain) and max(abs(a - b) for a, b in zip(out.scores, plain.scores)) < 1e-9
+    assert dec.costs._beam_steps[1][1] == sum(out.stats.committed_hist)  # remembered for the next call
+
+
+@pytest.mark.parametrize("synthetic", ["measured", "CHEAP"])
+def test_auto_sampling_is_well_formed_and_reproducible(sources, costs, synthetic):
+    if synthetic == "CHEAP":
+        costs(sampling=CHEAP)
+    dec = SpeculativeDecoder(make_model(0))
+    runs = []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(3)
+        runs.append(dec.sample(sources[5], temperature=1.0, gamma="auto", max_length=MAX_LEN, generator=g))
+    a, b = runs
+    assert tokens(a) == tokens(b) and a.stats.gamma_hist == b.stats.gamma_hist
+    eos = dec.model.eos_id["speech"]
+    for row in a.tokens:
+        assert row.dtype == torch.long and row.numel() <= MAX_LEN
+        assert bool(((row >= 0) & (row < SEMANTIC_VOCAB) & (row != eos)).all())
+    assert a.stats.auto and sum(a.stats.gamma_hist) == a.stats.steps
+    if synthetic == "CHEAP":
+        assert sum(a.stats.gamma_hist[1:]) > 0
+
+
+def test_sampling_default_is_plain(sources, measured):
+    dec = SpeculativeDecoder(make_model(0))
+    out = dec.sample(sources[4], temperature=1.0, max_length=MAX_LEN, generator=torch.Generator().manual_seed(1))
+    ref = dec.sample(sources[4], temperature=1.0, max_length=MAX_LEN, generator=torch.Generator().manual_seed(1),
+                     gamma=0)
+    assert tokens(out) == tokens(ref) and not out.stats.auto and out.stats.mode == "plain"
+    assert measured["sampling"] == 0
+
+
+def test_auto_without_an_early_exit_head_is_plain(sources, costs):
+    costs()  # measuring would fail the test
+    dec = SpeculativeDecoder(make_model(0, exit_layer=None))
+    plain = greedy(dec, sources[4], gamma=0)
+    for out in (greedy(dec, sources[4]), greedy(dec, sources[4], gamma="auto")):
+        assert tokens(out) == tokens(plain) and out.stats.gamma == 0 and out.stats.gamma_hist == [plain.stats.steps]
+    g = torch.Generator().manual_seed(0)
+    sampled = dec.sample(sources[4], gamma="auto", max_length=MAX_LEN, generator=g)
+    assert tokens(sampled) == tokens(dec.sample(sources[4], gamma=0, max_length=MAX_LEN,
+                                                generator=torch.Generator().manual_seed(0)))
+    beam = dec.beam_search(sources[4], beam_size=2, max_length=MAX_LEN)
+    assert tokens(beam) == tokens(dec.beam_search(sources[4], gamma=0, beam_size=2, max_length=MAX_LEN))
+    assert dec.cost_model() is None
+    with pytest.raises(ValueError, match="gamma > 0 needs a draft"):
+        greedy(dec, sources[4], gamma=2)
+
+
+@pytest.mark.parametrize("method", ["sample", "beam_search"])
+@pytest.mark.parametrize("gamma, error, match", [
+    ("fast", ValueError, "gamma must be an int >= 0 or 'auto', got 'fast'"),
+    ("AUTO", ValueError, "gamma must be an int >= 0 or 'auto'"),
+    (1.5, TypeError, "gamma must be an int or 'auto', got float"),
+    (True, TypeError, "gamma must be an int or 'auto', got bool"),
+    (-1, ValueError, "gamma must be >= 0"),
+])
+def test_bad_gamma_names_the_argument(sources, method, gamma, error, match):
+    with pytest.raises(error, match=match):
+        getattr(SpeculativeDecoder(make_model(0)), method)(sources[1], gamma=gamma, max_length=2)
+
+
+def test_draft_options_follow_the_resolved_gamma(sources, costs):
+    costs(sampling=CHEAP)
+    dec = SpeculativeDecoder(make_model(0))
+    with pytest.raises(ValueError, match="draft_confidence needs gamma > 0"):
+        dec.sample(sources[1], temperature=1.0, max_length=2, draft_confidence=0.5)  # sampling: gamma 0
+    out = greedy(dec, sources[4], draft_confidence=0.5)  # greedy: auto, which then always stops drafts
+    assert out.stats.draft_confidence == 0.5 and tokens(out) == tokens(greedy(dec, sources[4], gamma=0))
+
+
+def test_total_of_auto_stats_describes_the_sum():
+    a = DecodeStats(mode="auto", auto=True, gamma=2, gamma_hist=[5, 0, 3])
+    b = DecodeStats(mode="auto", auto=True, gamma=4, gamma_hist=[1, 0, 0, 0, 4], exit_layer=2, draft_confidence=0.9)
+    total = DecodeStats.total([a, b])
+    assert total.gamma_hist == [6, 0, 3, 0, 4] and total.gamma == 4 and total.auto
+    assert (total.exit_layer, total.draft_confidence) == (2, 0.9)
+
+
+def test_drop_in_generate_uses_auto_where_outputs_cannot_change(sources, monkeypatch):
+    calls = []
+    monkeypatch.setattr(auto, "measure_sampling", lambda dec: calls.append("sampling") or STEEP)
+    monkeypatch.setattr(auto, "measure_beam", lambda dec, k, w: calls.append("beam") or BeamCosts(1e-3, (4e-3, 6e-3)))
+    model = patch(make_model(0, cond_drop_prob=0.2))
+    kw = dict(source_type="text", target_type="speech", max_length=MAX_LEN)
+    greedy_out = model.generate(sources[4], **kw, temperature=0.0)
+    assert calls == ["sampling"]
+    model.generate(sources[4], **kw, temperature=1.0)  # sampling stays plain
+    model.generate(sources[4], **kw, beam_search_decode=True, beam_size=2)
+    assert calls == ["sampling", "beam"]
+    for gamma in (0, 3, "auto"):
+        assert torch.equal(model.generate(sources[4], **kw, temperature=0.0, spec_decode=True,
+                                          spec_decode_gamma=gamma), greedy_out)
