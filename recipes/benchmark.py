@@ -197,11 +197,14 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
                                spec_decode=True, beam_size=k, spec_decode_gamma=bg, draft_width=w) for src, n in inputs]
                 return sum(kept_tokens(out) for out in outs), None
             modes.append(Mode(f"drop-in generate(beam {k}, spec, gamma={bg}, W={w})", run_dropin, f"spear-tts generate (beam {k})"))
-    if has_exit and not args.skip_auto:  # gamma="auto": compared with the best fixed setting of its family
-        modes.append(Mode("ours auto sample (gamma=auto)", ours("sample", gamma="auto", **sk), "ours sample"))
-        modes.append(Mode("ours auto greedy (gamma=auto)", ours("sample", gamma="auto", **gk), "ours greedy"))
-        modes.append(Mode(f"ours auto beam (beam {k}, gamma=auto)", ours("beam_search", beam_size=k, gamma="auto"),
-                          f"ours beam search (beam {k})"))
+    if has_exit and not args.skip_auto:  # gamma="auto", right after its baseline (compared with the best
+        # fixed setting of its family in `report`)
+        for auto_mode in (Mode("ours auto sample (gamma=auto)", ours("sample", gamma="auto", **sk), "ours sample"),
+                          Mode("ours auto greedy (gamma=auto)", ours("sample", gamma="auto", **gk), "ours greedy"),
+                          Mode(f"ours auto beam (beam {k}, gamma=auto)", ours("beam_search", beam_size=k, gamma="auto"),
+                               f"ours beam search (beam {k})")):
+            at = next(i for i, m in enumerate(modes) if m.name == auto_mode.baseline)
+            modes.insert(at + 1, auto_mode)
     return modes
 
 

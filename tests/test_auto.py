@@ -23,12 +23,12 @@ MAX_LEN = 20
 N = MAX_GAMMA + 1  # v is given for n = 1..N
 
 
-def costs_of(c: float, v) -> CostModel:
-    return CostModel(1e-3, c, tuple(float(v(n)) for n in range(1, N + 1)))
+def costs_of(c: float, v, device: str = "cpu") -> CostModel:
+    return CostModel(1e-3, c, tuple(float(v(n)) for n in range(1, N + 1)), device)
 
 
 # verifying is nearly free and drafting cheap (a launch-bound GPU): speculation pays at any decent alpha
-CHEAP = costs_of(0.05, lambda n: 1.0)
+CHEAP = costs_of(0.05, lambda n: 1.0, "cuda")
 # each token verified costs 0.4 of a step (a CPU): pays above alpha ~0.6, and draft stops pay
 STEEP = costs_of(0.1, lambda n: 1.0 + 0.4 * (n - 1))
 # every token costs a full step's compute wherever it runs: speculation never pays
@@ -143,10 +143,9 @@ def test_chooser_rejects_bad_costs(args):
         choose_gamma(*args, MAX_GAMMA)
 
 
-def test_draft_stops_pay_where_verified_tokens_cost_compute():
+def test_draft_stops_on_the_cpu_only():
     assert not stops_pay(CHEAP) and stops_pay(STEEP)
-    assert not stops_pay(costs_of(0.1, lambda n: 1.0 + 0.05 * n))  # below STOPS_MIN_SLOPE
-    assert stops_pay(costs_of(0.1, lambda n: 1.0 + 0.1 * n))
+    assert stops_pay(costs_of(0.05, lambda n: 1.0))  # a CPU verifying cheaply (a memory-bound model) too
 
 
 def test_beam_chooser():
@@ -352,7 +351,9 @@ def test_auto_sampling_is_well_formed_and_reproducible(sources, costs, synthetic
     runs = []
     for _ in range(2):
         g = torch.Generator().manual_seed(3)
-        runs.append(dec.sample(sources[5], temperature=1.0, gamma="auto", max_length=MAX_LEN, generator=g))
+        # with the caller's stops the way of every cycle follows the acceptance, not the clock
+        runs.append(dec.sample(sources[5], temperature=1.0, gamma="auto", max_length=MAX_LEN, generator=g,
+                               draft_confidence=0.9))
     a, b = runs
     assert tokens(a) == tokens(b) and a.stats.gamma_hist == b.stats.gamma_hist
     eos = dec.model.eos_id["speech"]
@@ -434,3 +435,23 @@ def test_drop_in_generate_uses_auto_where_outputs_cannot_change(sources, monkeyp
     for gamma in (0, 3, "auto"):
         assert torch.equal(model.generate(sources[4], **kw, temperature=0.0, spec_decode=True,
                                           spec_decode_gamma=gamma), greedy_out)
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_policy_times_draft_stops_against_a_fixed_gamma(monkeypatch, faster):
+    """On the CPU, without the caller's stops, auto tries both ways and then decodes mostly with the one
+    that emits more tokens per second on this call's own cycles (the clock scripted here)."""
+    now = [0.0]
+    monkeypatch.setattr(auto.time, "perf_counter", lambda: now[0])
+    policy = SamplingPolicy(STEEP)
+    ways = []
+    for _ in range(40):
+        gamma, confidence = policy.next()
+        stops = confidence is not None
+        ways.append(stops)
+        policy.observe([3], [gamma])  # every cycle emits 4 tokens
+        now[0] += 1.0 if stops == faster else 2.0  # the faster way's cycles take half the time
+    assert ways[:4].count(True) == 2 and ways[:4].count(False) == 2  # both tried first
+    assert ways[4:].count(faster) >= 30 and ways[4:].count(not faster) >= 2  # the faster one, the other retried
+    assert SamplingPolicy(STEEP, confidence=0.9).next()[1] == 0.9  # the caller's stops: always
+    assert SamplingPolicy(CHEAP).next()[1] is None  # a GPU: a fixed gamma

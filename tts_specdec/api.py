@@ -56,8 +56,9 @@ class SpeculativeDecoder:
         verifying gamma + 1 tokens costs about one plain step.
         Default (None): "auto" for greedy decoding (temperature 0), whose tokens are the same at every
         gamma; 0 when sampling (temperature > 0), where the tokens follow the same law at every gamma but
-        a seeded run's tokens depend on the gammas used: pass gamma="auto" to opt in (a fixed generator
-        then reproduces a run on the same decoder and machine state). A model without an early-exit head
+        a seeded run's tokens depend on the gammas used: pass gamma="auto" to opt in (on the CPU auto times
+        draft stops against a fixed gamma while it decodes, so a fixed generator reproduces a run only with
+        `draft_confidence` given). A model without an early-exit head
         decodes plainly under "auto"; an int gamma > 0 needs one.
 
         draft_confidence: with gamma > 0, a row stops drafting early, after a drafted token the

@@ -6,7 +6,7 @@ assumed: `measure_sampling` times real decoder calls on a short dummy decode (it
 output changes) and `Costs` keeps the result per (parameters, dtype, device, threads). From those costs
 and the acceptance observed while decoding, `choose_gamma` picks the gamma with the most expected tokens
 per unit of time, and 0 (plain decoding) unless speculation is predicted to win by `MARGIN`; the cost
-model also says whether draft stops pay (`stops_pay`). Changing gamma between cycles keeps speculative
+device decides whether it drafts with stops (`stops_pay`). Changing gamma between cycles keeps speculative
 sampling exact: each cycle is lossless on its own. Beam search is decided once per call, from timed short
 plain and speculative beam searches (`measure_beam`, `choose_beam_gamma`).
 
@@ -39,13 +39,21 @@ MARGIN = 1.05
 PRIOR_ALPHA = 0.8  # acceptance assumed before any draft was judged (typical for a trained exit head)
 PRIOR_WEIGHT = 4.0  # the prior counts as this many judged drafts
 # draft stops: a row stops drafting after a draft its draft head gave less than DRAFT_CONFIDENCE. They cut
-# the drafts that follow an unsure one, mostly rejected: worth it where each verified token costs compute
-# (v grows by STOPS_MIN_SLOPE or more per token: a CPU), not where verifying more tokens is nearly free (a
-# launch-bound GPU), where a cut draft saves only its draft step and forfeits what it would have yielded.
-# Since unsure drafts end a row's run, the drafts that go on are sure ones: with stops a row may draft as
-# far as a draft that is always right would pay for
+# the drafts that follow an unsure one, mostly rejected, saving their draft steps and verify cost; since
+# unsure drafts end a row's run, the drafts that go on are sure ones, so with stops a row may draft as far
+# as a draft that is always right would pay for. Whether they beat the fixed gamma the cost model picks
+# depends on more than it models (docs/performance.md, CPU: stops won at batch 1 on the shipped model and
+# its width-512 widening and lost at batch 4, where the rows' ragged drafts pad a compute-bound verify),
+# so on the CPU auto times both while it decodes (`SamplingPolicy`). On torch's path on a GPU the rule
+# needs a host copy per draft step and greedy decoding with stops lost to a fixed gamma on an H100: there
+# auto drafts a fixed gamma.
 DRAFT_CONFIDENCE = 0.9
-STOPS_MIN_SLOPE = 0.1
+# the timed choice between a fixed gamma and draft stops: each is tried for EXPLORE cycles first, then the
+# one with fewer seconds per token decodes, the other retried every EXPLORE_EVERY cycles; a way's timings
+# fade by TIME_KEEP per cycle it runs
+EXPLORE = 2
+EXPLORE_EVERY = 8
+TIME_KEEP = 0.7
 # observations fade by half every HALF_LIFE generated tokens: acceptance moves along an utterance, and
 # while auto decodes plainly (nothing judged) the prior returns, so speculation gets tried again
 HALF_LIFE = 32.0
@@ -73,6 +81,7 @@ class CostModel:
     t_step: float  # seconds of one plain target step (all layers + target head, one token, batch 1)
     c: float  # one draft step (layers 1..E + exit head) / t_step
     v: tuple[float, ...]  # v[n - 1]: the rest of a cycle verifying n tokens / t_step, n = 1..MAX_GAMMA + 1
+    device: str = "cpu"  # the device type measured on
 
     def cycle(self, gamma: int) -> float:
         """A cycle with `gamma` drafts, in plain steps."""
@@ -110,10 +119,8 @@ def choose_gamma(c: float, v: Sequence[float], alpha: float, max_gamma: int, mar
 
 
 def stops_pay(costs: CostModel) -> bool:
-    """Whether draft stops pay on this machine: the verify pass's mean cost per extra token (v from n = 2
-    on; v(1) has no drafts) is at least STOPS_MIN_SLOPE plain steps."""
-    v = costs.v
-    return len(v) > 2 and (v[-1] - v[1]) / (len(v) - 2) >= STOPS_MIN_SLOPE
+    """Whether auto may draft with stops: on the CPU (see DRAFT_CONFIDENCE)."""
+    return costs.device == "cpu"
 
 
 def choose_beam_gamma(step: float, cycles: Sequence[float], steps_per_cycle: Sequence[float],
@@ -134,10 +141,12 @@ class SamplingPolicy:
     acceptance judged so far (a running estimate that starts at PRIOR_ALPHA).
 
     A cycle drafts the gamma `choose_gamma` picks at the estimated acceptance (0: plain steps, a fused run
-    where the kernels have them). Where draft stops pay (`stops_pay`, or the caller asked for them), a
-    cycle that speculates lets rows draft up to the gamma that would pay for a draft that is always right
-    and stop after the first draft they are unsure of. Stops read only the draft's own distribution, so
-    they cost nothing in exactness."""
+    where the kernels have them), or, with draft stops, lets rows draft up to the gamma that would pay for
+    a draft that is always right and stop after the first draft they are unsure of. The caller's
+    `confidence` always stops; otherwise, where stops may pay (`stops_pay`), the two ways are timed
+    against each other on this call's own cycles (seconds per emitted token) and the faster one decodes.
+    Stops read only the draft's own distribution, so neither way changes what is sampled; but which way a
+    cycle takes follows the clock, so seeded sampling under auto is not reproduced token for token."""
 
     def __init__(self, costs: CostModel, confidence: float | None = None, max_gamma: int = MAX_GAMMA) -> None:
         self.costs = costs
@@ -146,10 +155,17 @@ class SamplingPolicy:
         # cannot pay here at any acceptance, decode plainly throughout
         self.sure_gamma = self._choose(1.0)
         self.pays = self.sure_gamma > 0
-        # the caller's draft stops, else the cost model's choice
-        self.stops = confidence if confidence is not None else DRAFT_CONFIDENCE if stops_pay(costs) else None
+        # the caller's draft stops (always), else stops timed against a fixed gamma where they may pay
+        self.forced = confidence is not None
+        self.stops = confidence if self.forced else DRAFT_CONFIDENCE if stops_pay(costs) else None
         self.used_confidence: float | None = None  # the draft stops some cycle used
         self._accepted = self._judged = 0.0  # fading sums over judged drafts
+        # per way (False: fixed gamma, True: stops): fading seconds and tokens, cycles run
+        self._seconds = {False: 0.0, True: 0.0}
+        self._tokens = {False: 0.0, True: 0.0}
+        self._runs = {False: 0, True: 0}
+        self._cycle: tuple[bool, float] | None = None  # (way, start) of the speculative cycle under way
+        self._emitted = 0  # tokens it emitted (`observe`)
 
     @property
     def alpha(self) -> float:
@@ -157,21 +173,46 @@ class SamplingPolicy:
 
     def next(self) -> tuple[int, float | None]:
         """(gamma, draft_confidence) for the next cycle; gamma 0: plain steps."""
+        self._close()
         gamma = self._choose(self.alpha) if self.pays else 0
-        if not gamma or self.stops is None:
+        if not gamma:
+            return 0, None
+        stops = self.stops is not None and (self.forced or self._way())
+        self._cycle = (stops, time.perf_counter())
+        if not stops:
             return gamma, None
         self.used_confidence = self.stops
         return self.sure_gamma, self.stops
+
+    def _way(self) -> bool:
+        """Draft stops (True) or the fixed gamma (False) for the next cycle, by their timings so far."""
+        for way in (True, False):
+            if self._runs[way] < EXPLORE:
+                return way
+        rate = {w: self._seconds[w] / max(self._tokens[w], 1e-9) for w in (True, False)}
+        best = rate[True] <= rate[False]
+        return (not best) if (self._runs[True] + self._runs[False]) % EXPLORE_EVERY == 0 else best
+
+    def _close(self) -> None:
+        """Books the last speculative cycle's time (start to the next `next`) under its way."""
+        if self._cycle is not None and self._emitted:
+            way, start = self._cycle
+            self._seconds[way] = TIME_KEEP * self._seconds[way] + time.perf_counter() - start
+            self._tokens[way] = TIME_KEEP * self._tokens[way] + self._emitted
+            self._runs[way] += 1
+        self._cycle, self._emitted = None, 0
 
     def observe(self, accepted: list[int], proposed: list[int]) -> None:
         """A cycle's accepted drafts and proposed drafts per row. A row judges its drafts up to its first
         rejection: accepted + 1 of them, or all when all were accepted."""
         self._fade(sum(a + 1 for a in accepted) / len(accepted))
+        self._emitted = sum(a + 1 for a in accepted)
         self._accepted += sum(accepted)
         self._judged += sum(a + (a < n) for a, n in zip(accepted, proposed))
 
     def plain(self, steps: int) -> None:
         """`steps` plain steps ran: nothing judged, the estimate drifts back toward the prior."""
+        self._cycle = None
         self._fade(steps)
 
     def _fade(self, tokens: float) -> None:
@@ -276,7 +317,7 @@ def measure_sampling(dec: Decoder) -> CostModel:
     # v at the measured n = gamma + 1, then linear in between
     measured = {g + 1: (cycle_s[g] - g * per_draft) / t_step for g in SAMPLE_GAMMAS}
     v = tuple(_interpolate(measured, n) for n in range(1, MAX_GAMMA + 2))
-    return CostModel(t_step, per_draft / t_step, v)
+    return CostModel(t_step, per_draft / t_step, v, dec.device.type)
 
 
 def measure_beam(dec: Decoder, beam_size: int, draft_width: int) -> BeamCosts:
