@@ -440,18 +440,28 @@ def test_drop_in_generate_uses_auto_where_outputs_cannot_change(sources, monkeyp
 @pytest.mark.parametrize("faster", [True, False])
 def test_policy_times_draft_stops_against_a_fixed_gamma(monkeypatch, faster):
     """On the CPU, without the caller's stops, auto tries both ways and then decodes mostly with the one
-    that emits more tokens per second on this call's own cycles (the clock scripted here)."""
+    that emits more tokens per second (the clock scripted here); what it learnt carries to the next call."""
     now = [0.0]
     monkeypatch.setattr(auto.time, "perf_counter", lambda: now[0])
-    policy = SamplingPolicy(STEEP)
-    ways = []
-    for _ in range(40):
-        gamma, confidence = policy.next()
-        stops = confidence is not None
-        ways.append(stops)
-        policy.observe([3], [gamma])  # every cycle emits 4 tokens
-        now[0] += 1.0 if stops == faster else 2.0  # the faster way's cycles take half the time
-    assert ways[:4].count(True) == 2 and ways[:4].count(False) == 2  # both tried first
-    assert ways[4:].count(faster) >= 30 and ways[4:].count(not faster) >= 2  # the faster one, the other retried
+    ways_seen = auto.WayTimes()
+
+    def run(cycles: int) -> list[bool]:
+        policy = SamplingPolicy(STEEP, ways=ways_seen)
+        ways = []
+        for _ in range(cycles):
+            gamma, confidence = policy.next()
+            stops = confidence is not None
+            ways.append(stops)
+            policy.observe([3], [gamma])  # every cycle emits 4 tokens
+            now[0] += 1.0 if stops == faster else 2.0  # the faster way's cycles take half the time
+        policy.next()  # books the last cycle
+        return ways
+
+    first = run(40)
+    n = 2 * auto.EXPLORE
+    assert first[:n].count(True) == first[:n].count(False) == auto.EXPLORE  # both tried first
+    assert first[n:].count(faster) >= 28 and first[n:].count(not faster) >= 1  # the faster, the other retried
+    second = run(20)  # a later call: no exploring again
+    assert second.count(faster) >= 18
     assert SamplingPolicy(STEEP, confidence=0.9).next()[1] == 0.9  # the caller's stops: always
     assert SamplingPolicy(CHEAP).next()[1] is None  # a GPU: a fixed gamma

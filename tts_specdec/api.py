@@ -101,7 +101,8 @@ class SpeculativeDecoder:
             source = prepare_source(self.model, source, self.decoder.source_type)
             policy = None
             if gamma == AUTO:
-                policy = SamplingPolicy(self.costs.sampling(self.decoder), draft_confidence)
+                ways = self.costs.ways(self.decoder, source.shape[0], temperature > 0)
+                policy = SamplingPolicy(self.costs.sampling(self.decoder), draft_confidence, ways=ways)
                 if not policy.pays:  # speculation cannot win here: plain decoding, no per-cycle choices
                     policy, gamma = None, 0
             start = time.perf_counter()

@@ -48,12 +48,13 @@ PRIOR_WEIGHT = 4.0  # the prior counts as this many judged drafts
 # needs a host copy per draft step and greedy decoding with stops lost to a fixed gamma on an H100: there
 # auto drafts a fixed gamma.
 DRAFT_CONFIDENCE = 0.9
-# the timed choice between a fixed gamma and draft stops: each is tried for EXPLORE cycles first, then the
-# one with fewer seconds per token decodes, the other retried every EXPLORE_EVERY cycles; a way's timings
-# fade by TIME_KEEP per cycle it runs
-EXPLORE = 2
-EXPLORE_EVERY = 8
-TIME_KEEP = 0.7
+# the timed choice between a fixed gamma and draft stops (`WayTimes`, kept across calls of one decoder
+# per batch size): each is tried for EXPLORE cycles first, then the one with fewer seconds per token
+# decodes, the other retried every EXPLORE_EVERY cycles; a way's timings fade by TIME_KEEP per cycle it
+# runs (a cycle's seconds per token swing with its acceptance: many cycles make a fair comparison)
+EXPLORE = 4
+EXPLORE_EVERY = 16
+TIME_KEEP = 0.95
 # observations fade by half every HALF_LIFE generated tokens: acceptance moves along an utterance, and
 # while auto decodes plainly (nothing judged) the prior returns, so speculation gets tried again
 HALF_LIFE = 32.0
@@ -136,6 +137,30 @@ def choose_beam_gamma(step: float, cycles: Sequence[float], steps_per_cycle: Seq
     return best if best_rate >= margin else 0
 
 
+class WayTimes:
+    """Fading seconds and tokens of speculative cycles per way (False: a fixed gamma, True: draft stops),
+    and the cycles each ran: what `SamplingPolicy` compares, kept by `Costs` across calls."""
+
+    def __init__(self) -> None:
+        self.seconds = {False: 0.0, True: 0.0}
+        self.tokens = {False: 0.0, True: 0.0}
+        self.runs = {False: 0, True: 0}
+
+    def add(self, way: bool, seconds: float, tokens: int) -> None:
+        self.seconds[way] = TIME_KEEP * self.seconds[way] + seconds
+        self.tokens[way] = TIME_KEEP * self.tokens[way] + tokens
+        self.runs[way] += 1
+
+    def pick(self) -> bool:
+        """The way for the next cycle: each tried EXPLORE times, then the faster, the other now and then."""
+        for way in (True, False):
+            if self.runs[way] < EXPLORE:
+                return way
+        rate = {w: self.seconds[w] / max(self.tokens[w], 1e-9) for w in (True, False)}
+        best = rate[True] <= rate[False]
+        return (not best) if (self.runs[True] + self.runs[False]) % EXPLORE_EVERY == 0 else best
+
+
 class SamplingPolicy:
     """gamma="auto" for one sampling call: each cycle's gamma and draft stops, from the cost model and the
     acceptance judged so far (a running estimate that starts at PRIOR_ALPHA).
@@ -148,7 +173,8 @@ class SamplingPolicy:
     Stops read only the draft's own distribution, so neither way changes what is sampled; but which way a
     cycle takes follows the clock, so seeded sampling under auto is not reproduced token for token."""
 
-    def __init__(self, costs: CostModel, confidence: float | None = None, max_gamma: int = MAX_GAMMA) -> None:
+    def __init__(self, costs: CostModel, confidence: float | None = None, max_gamma: int = MAX_GAMMA,
+                 ways: WayTimes | None = None) -> None:
         self.costs = costs
         self.max_gamma = max_gamma
         # the gamma a draft that is always right would pay for: the most drafts with stops; 0: speculation
@@ -160,10 +186,7 @@ class SamplingPolicy:
         self.stops = confidence if self.forced else DRAFT_CONFIDENCE if stops_pay(costs) else None
         self.used_confidence: float | None = None  # the draft stops some cycle used
         self._accepted = self._judged = 0.0  # fading sums over judged drafts
-        # per way (False: fixed gamma, True: stops): fading seconds and tokens, cycles run
-        self._seconds = {False: 0.0, True: 0.0}
-        self._tokens = {False: 0.0, True: 0.0}
-        self._runs = {False: 0, True: 0}
+        self.ways = WayTimes() if ways is None else ways  # the two ways' timings (shared across calls)
         self._cycle: tuple[bool, float] | None = None  # (way, start) of the speculative cycle under way
         self._emitted = 0  # tokens it emitted (`observe`)
 
@@ -177,29 +200,18 @@ class SamplingPolicy:
         gamma = self._choose(self.alpha) if self.pays else 0
         if not gamma:
             return 0, None
-        stops = self.stops is not None and (self.forced or self._way())
+        stops = self.stops is not None and (self.forced or self.ways.pick())
         self._cycle = (stops, time.perf_counter())
         if not stops:
             return gamma, None
         self.used_confidence = self.stops
         return self.sure_gamma, self.stops
 
-    def _way(self) -> bool:
-        """Draft stops (True) or the fixed gamma (False) for the next cycle, by their timings so far."""
-        for way in (True, False):
-            if self._runs[way] < EXPLORE:
-                return way
-        rate = {w: self._seconds[w] / max(self._tokens[w], 1e-9) for w in (True, False)}
-        best = rate[True] <= rate[False]
-        return (not best) if (self._runs[True] + self._runs[False]) % EXPLORE_EVERY == 0 else best
-
     def _close(self) -> None:
         """Books the last speculative cycle's time (start to the next `next`) under its way."""
         if self._cycle is not None and self._emitted:
             way, start = self._cycle
-            self._seconds[way] = TIME_KEEP * self._seconds[way] + time.perf_counter() - start
-            self._tokens[way] = TIME_KEEP * self._tokens[way] + self._emitted
-            self._runs[way] += 1
+            self.ways.add(way, time.perf_counter() - start, self._emitted)
         self._cycle, self._emitted = None, 0
 
     def observe(self, accepted: list[int], proposed: list[int]) -> None:
@@ -232,6 +244,7 @@ class Costs:
         self._sampling: dict[tuple, CostModel] = {}
         self._beam: dict[tuple, BeamCosts] = {}
         self._beam_steps: dict[int, tuple[float, float]] = {}  # gamma -> (committed steps, cycles)
+        self._ways: dict[tuple, WayTimes] = {}
 
     @staticmethod
     def key(dec: Decoder) -> tuple:
@@ -242,6 +255,10 @@ class Costs:
 
     def sampling(self, dec: Decoder) -> CostModel:
         return _kept(self._sampling, self.key(dec), lambda: measure_sampling(dec))
+
+    def ways(self, dec: Decoder, rows: int, sampling: bool) -> WayTimes:
+        """The timed ways of auto sampling for `rows` sequences (greedy or sampling), kept across calls."""
+        return _kept(self._ways, (self.key(dec), rows, sampling), WayTimes)
 
     def beam(self, dec: Decoder, beam_size: int, draft_width: int) -> BeamCosts:
         key = (self.key(dec), beam_size, draft_width)
