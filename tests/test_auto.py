@@ -6,6 +6,8 @@ by a synthetic one (`costs` fixture); where the real measurement runs, only what
 (outputs, caching, shapes) is checked.
 """
 
+import random
+
 import pytest
 import torch
 
@@ -465,3 +467,23 @@ def test_policy_times_draft_stops_against_a_fixed_gamma(monkeypatch, faster):
     assert second.count(faster) >= 18
     assert SamplingPolicy(STEEP, confidence=0.9).next()[1] == 0.9  # the caller's stops: always
     assert SamplingPolicy(CHEAP).next()[1] is None  # a GPU: a fixed gamma
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_policy_tells_the_faster_way_through_noisy_cycles(monkeypatch, faster):
+    """Cycles emit a random 1..5 tokens in a fixed time, the faster way's cycle taking 15% less: a few
+    lucky cycles must not settle the choice, and once the estimates have settled the faster way decodes
+    most cycles."""
+    now = [0.0]
+    monkeypatch.setattr(auto.time, "perf_counter", lambda: now[0])
+    rng = random.Random(0)
+    policy = SamplingPolicy(STEEP, ways=auto.WayTimes())
+    ways = []
+    for _ in range(600):
+        gamma, confidence = policy.next()
+        stops = confidence is not None
+        ways.append(stops)
+        policy.observe([rng.randint(0, 4)], [gamma])
+        now[0] += 0.85 if stops == faster else 1.0
+    assert ways[:8].count(True) == 4  # both tried first
+    assert ways[300:].count(faster) >= 0.8 * 300

@@ -18,6 +18,8 @@ bookkeeping), so a cycle with gamma drafts costs gamma * c + v(gamma + 1) and yi
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -49,12 +51,16 @@ PRIOR_WEIGHT = 4.0  # the prior counts as this many judged drafts
 # auto drafts a fixed gamma.
 DRAFT_CONFIDENCE = 0.9
 # the timed choice between a fixed gamma and draft stops (`WayTimes`, kept across calls of one decoder
-# per batch size): each is tried for EXPLORE cycles first, then the one with fewer seconds per token
-# decodes, the other retried every EXPLORE_EVERY cycles; a way's timings fade by TIME_KEEP per cycle it
-# runs (a cycle's seconds per token swing with its acceptance: many cycles make a fair comparison)
+# per batch size). A cycle's seconds per token swing with its acceptance (at batch 1 a fixed-gamma cycle
+# emits 1..gamma+1 tokens in the same time), so a few lucky cycles must not settle it: after EXPLORE
+# cycles of each (alternating), each cycle takes the way whose seconds per token, drawn from its estimate
+# and standard error, is lower (Thompson sampling: the slower way runs about as often as it might still
+# be the faster), and the other way every EXPLORE_EVERY cycles whatever the draws. A way's sums fade by
+# TIME_KEEP per cycle it runs: the estimate follows a slow drift (longer prefixes) but rests on up to
+# 1 / (1 - TIME_KEEP) cycles.
 EXPLORE = 4
-EXPLORE_EVERY = 16
-TIME_KEEP = 0.95
+EXPLORE_EVERY = 32
+TIME_KEEP = 0.99
 # observations fade by half every HALF_LIFE generated tokens: acceptance moves along an utterance, and
 # while auto decodes plainly (nothing judged) the prior returns, so speculation gets tried again
 HALF_LIFE = 32.0
@@ -138,26 +144,39 @@ def choose_beam_gamma(step: float, cycles: Sequence[float], steps_per_cycle: Seq
 
 
 class WayTimes:
-    """Fading seconds and tokens of speculative cycles per way (False: a fixed gamma, True: draft stops),
-    and the cycles each ran: what `SamplingPolicy` compares, kept by `Costs` across calls."""
+    """Fading sums over the speculative cycles of each way (False: a fixed gamma, True: draft stops) of
+    seconds, tokens and their squares and product (the ratio estimate of seconds per token and its
+    variance), and the choice of way made from them: what `SamplingPolicy` asks, kept by `Costs` across
+    calls."""
 
     def __init__(self) -> None:
-        self.seconds = {False: 0.0, True: 0.0}
-        self.tokens = {False: 0.0, True: 0.0}
+        self.sums = {way: [0.0] * 6 for way in (False, True)}  # n, s, t, s*s, t*t, s*t
         self.runs = {False: 0, True: 0}
+        # its own generator: the draws move neither torch's nor the caller's random state
+        self._draw = random.Random(0)
 
     def add(self, way: bool, seconds: float, tokens: int) -> None:
-        self.seconds[way] = TIME_KEEP * self.seconds[way] + seconds
-        self.tokens[way] = TIME_KEEP * self.tokens[way] + tokens
+        sums = self.sums[way]
+        for i, x in enumerate((1.0, seconds, tokens, seconds * seconds, tokens * tokens, seconds * tokens)):
+            sums[i] = TIME_KEEP * sums[i] + x
         self.runs[way] += 1
 
+    def rate(self, way: bool) -> tuple[float, float]:
+        """(seconds per token, its variance): the ratio estimator over the faded cycles."""
+        n, s, t, ss, tt, st = self.sums[way]
+        r = s / t
+        residual = max(ss - 2.0 * r * st + r * r * tt, 0.0)  # sum of (s_i - r t_i)^2
+        return r, residual / (t * t) * n / max(n - 1.0, 1e-9)
+
     def pick(self) -> bool:
-        """The way for the next cycle: each tried EXPLORE times, then the faster, the other now and then."""
+        """The way for the next cycle (see EXPLORE)."""
+        if min(self.runs.values()) < EXPLORE:
+            return self.sums[True][0] <= self.sums[False][0]
+        draws = {}
         for way in (True, False):
-            if self.runs[way] < EXPLORE:
-                return way
-        rate = {w: self.seconds[w] / max(self.tokens[w], 1e-9) for w in (True, False)}
-        best = rate[True] <= rate[False]
+            rate, var = self.rate(way)
+            draws[way] = self._draw.gauss(rate, math.sqrt(var))
+        best = draws[True] <= draws[False]
         return (not best) if (self.runs[True] + self.runs[False]) % EXPLORE_EVERY == 0 else best
 
 
@@ -169,7 +188,8 @@ class SamplingPolicy:
     where the kernels have them), or, with draft stops, lets rows draft up to the gamma that would pay for
     a draft that is always right and stop after the first draft they are unsure of. The caller's
     `confidence` always stops; otherwise, where stops may pay (`stops_pay`), the two ways are timed
-    against each other on this call's own cycles (seconds per emitted token) and the faster one decodes.
+    against each other on the decoder's cycles (seconds per emitted token, `WayTimes`), the faster
+    decoding most of them.
     Stops read only the draft's own distribution, so neither way changes what is sampled; but which way a
     cycle takes follows the clock, so seeded sampling under auto is not reproduced token for token."""
 
