@@ -11,6 +11,7 @@ accepted: the most any draft of this cost could give on this machine.
     python recipes/benchmark.py --model default      # the shipped checkpoint (trained exit head)
     python recipes/benchmark.py --json bench.json --reps 5 --threads 2
     python recipes/benchmark.py --model default --sentences 10 --count-ops   # torch ops per token instead
+    python recipes/benchmark.py --model default --widen 512 8 --sentences 24 --families sample greedy
 
 --count-ops times nothing: it runs every mode --reps times on torch's path (the GPU's path: the CPU kernels
 off) and counts the torch ops dispatched per generated token. Where each op costs the host a launch of
@@ -192,11 +193,15 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
         if dropin is not None and upstream_beam:
             bg, w = args.beam_gamma[0], widths[0]  # the first setting: the fastest on our CPU runs
 
-            def run_dropin() -> tuple[int, None]:
-                outs = [dropin(src, source_type="text", target_type="speech", max_length=n, beam_search_decode=True,
-                               spec_decode=True, beam_size=k, spec_decode_gamma=bg, draft_width=w) for src, n in inputs]
-                return sum(kept_tokens(out) for out in outs), None
-            modes.append(Mode(f"drop-in generate(beam {k}, spec, gamma={bg}, W={w})", run_dropin, f"spear-tts generate (beam {k})"))
+            def run_dropin(**kw: object) -> Callable[[], tuple[int, None]]:
+                def run() -> tuple[int, None]:  # spear-tts's beam semantics (the drop-in's default)
+                    outs = [dropin(src, source_type="text", target_type="speech", max_length=n, beam_search_decode=True,
+                                   beam_size=k, progress=False, **kw) for src, n in inputs]
+                    return sum(kept_tokens(out) for out in outs), None
+                return run
+            modes.append(Mode(f"drop-in generate(beam {k})", run_dropin(), f"spear-tts generate (beam {k})"))
+            modes.append(Mode(f"drop-in generate(beam {k}, spec, gamma={bg}, W={w})", run_dropin(
+                spec_decode=True, spec_decode_gamma=bg, draft_width=w), f"spear-tts generate (beam {k})"))
     if has_exit and not args.skip_auto:  # gamma="auto", right after its baseline (compared with the best
         # fixed setting of its family in `report`)
         for auto_mode in (Mode("ours auto sample (gamma=auto)", ours("sample", gamma="auto", **sk), "ours sample"),
@@ -206,6 +211,14 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
             at = next(i for i, m in enumerate(modes) if m.name == auto_mode.baseline)
             modes.insert(at + 1, auto_mode)
     return modes
+
+
+FAMILIES = ("sample", "greedy", "beam")
+
+
+def family(mode: str) -> str:
+    """The family of a row (its plain mode's): beam search, greedy decoding or sampling."""
+    return "beam" if "beam" in mode else "greedy" if "greedy" in mode else "sample"
 
 
 def _has_spec_beam() -> bool:
@@ -476,6 +489,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--skip-upstream-beam", action="store_true", help="skip spear-tts beam search (slowest row)")
     p.add_argument("--skip-upstream", action="store_true", help="skip every spear-tts row (large models)")
     p.add_argument("--skip-auto", action="store_true", help="skip the gamma='auto' rows")
+    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES),
+                   help="run only these families of rows (plain, speculative and auto rows of each; "
+                        "without greedy the plain step, c and v are not measured)")
     p.add_argument("--count-ops", action="store_true",
                    help="count torch ops per token on torch's path instead of timing (see above)")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -498,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
                  else default_model(args.device, args.checkpoint, args.batch, args.sentences, args.widen))
     except ValueError as e:
         p.error(str(e))
-    modes = build_modes(setup, args)
+    modes = [m for m in build_modes(setup, args) if family(m.name) in args.families]
     if args.count_ops:
         rows = count_ops(modes, args.reps)
         machine = machine_info(args.device)

@@ -42,3 +42,15 @@ def test_verify_ratio_is_verify_time_per_pass_over_a_plain_step():
     assert benchmark.verify_ratio(stats, 0.001) == pytest.approx(3.0)
     assert benchmark.verify_ratio(stats, None) is None
     assert benchmark.verify_ratio(DecodeStats(), 0.001) is None
+
+
+@pytest.mark.parametrize("mode, family", [
+    ("spear-tts generate (sampling)", "sample"), ("ours sample", "sample"),
+    ("ours auto sample (gamma=auto)", "sample"), ("ours speculative sample (gamma<=10, conf 0.9)", "sample"),
+    ("ours greedy", "greedy"), ("ours speculative greedy (gamma=4)", "greedy"), ("ours auto greedy (gamma=auto)", "greedy"),
+    ("spear-tts generate (beam 4)", "beam"), ("ours auto beam (beam 4, gamma=auto)", "beam"),
+    ("ours speculative beam (beam 4, gamma=1, W=8)", "beam"), ("drop-in generate(beam 4, spec, gamma=1, W=8)", "beam"),
+])
+def test_rows_fall_into_their_plain_modes_family(mode, family):
+    """--families keeps each row with its baseline: a family filter never leaves a ratio without its base."""
+    assert benchmark.family(mode) == family

@@ -2,7 +2,7 @@
 
 Each case draws a model shape (width, heads, kv heads, depth, exit layer, vocabulary, EOS or not, weight
 scale), a ragged batch of sources, max_length and guidance, then checks one of:
-  greedy  speculative greedy (gamma 1-8, optional draft stops and draft guidance) == plain greedy, and
+  greedy  speculative greedy (gamma 1-8 or "auto", optional draft stops and draft guidance) == plain greedy, and
           a row of the batch decoded alone == that row in the batch;
   beam    speculative beam search (gamma 1-3, draft width K..2K) == plain beam search;
   sample  speculative sampling with filters: every row within max_length, no EOS or pad in the output,
@@ -45,9 +45,9 @@ def model_config(rng: random.Random) -> dict:
 
 def greedy_case(rng: random.Random, dec: SpeculativeDecoder, src: torch.Tensor, lengths: list[int], ml: int,
                 cs: float) -> tuple[bool, str]:
-    gamma, conf = rng.randint(1, 8), rng.choice([None, None, 0.3, 0.9])
+    gamma, conf = rng.choice([1, 2, 3, 4, 5, 6, 7, 8, "auto"]), rng.choice([None, None, 0.3, 0.9])
     draft_cs = rng.choice([None, 1.0, 2.0]) if cs > 1 else None
-    plain = dec.sample(src, temperature=0, max_length=ml, cond_scale=cs).tokens
+    plain = dec.sample(src, temperature=0, max_length=ml, cond_scale=cs, gamma=0).tokens
     spec = dec.sample(src, temperature=0, max_length=ml, cond_scale=cs, gamma=gamma, draft_confidence=conf,
                       draft_cond_scale=draft_cs).tokens
     what = f"greedy gamma={gamma} draft_confidence={conf} draft_cond_scale={draft_cs}"
@@ -66,7 +66,7 @@ def beam_case(rng: random.Random, dec: SpeculativeDecoder, src: torch.Tensor, ml
     k, gamma = rng.randint(1, 4), rng.randint(1, 3)
     width, lp = rng.randint(k, 2 * k), rng.choice([0.0, 1.0, 2.0])
     ml = min(ml, 20)
-    plain = dec.beam_search(src, beam_size=k, length_penalty=lp, max_length=ml, cond_scale=cs)
+    plain = dec.beam_search(src, beam_size=k, length_penalty=lp, max_length=ml, cond_scale=cs, gamma=0)
     spec = dec.beam_search(src, beam_size=k, length_penalty=lp, max_length=ml, cond_scale=cs, gamma=gamma,
                            draft_width=width)
     return same(plain.tokens, spec.tokens), f"beam K={k} gamma={gamma} W={width} length_penalty={lp} max_length={ml}"
@@ -84,7 +84,7 @@ def sample_case(rng: random.Random, dec: SpeculativeDecoder, src: torch.Tensor, 
         t.numel() <= ml and (t >= 0).all() and not (t == pad).any() and (eos is None or not (t == eos).any())
         for t in out.tokens)
     if ok and top_k == 1:  # one candidate left: sampling is greedy decoding
-        ok = same(dec.sample(src, temperature=0, max_length=ml, cond_scale=cs).tokens, out.tokens)
+        ok = same(dec.sample(src, temperature=0, max_length=ml, cond_scale=cs, gamma=0).tokens, out.tokens)
     return ok, what
 
 
