@@ -350,9 +350,14 @@ def measure_sampling(dec: Decoder) -> CostModel:
     # cheaper of the two is the step speculation has to beat
     t_step = min(cycle_s[0], statistics.median(plain)) if plain else cycle_s[0]
     drafting = [g for g in SAMPLE_GAMMAS if g]
-    per_draft = max(_slope(drafting, [statistics.median(draft[g]) for g in drafting]), 0.0)
-    # v at the measured n = gamma + 1, then linear in between
-    measured = {g + 1: (cycle_s[g] - g * per_draft) / t_step for g in SAMPLE_GAMMAS}
+    draft_s = {g: statistics.median(draft[g]) for g in drafting}
+    # the draft phase's slope over gamma; under load elsewhere timings jump, and a slope above some
+    # gamma's whole draft phase per draft would leave its verify negative: bounded by those
+    per_draft = min(max(_slope(drafting, [draft_s[g] for g in drafting]), 0.0), *(draft_s[g] / g for g in drafting))
+    # v at the measured n = gamma + 1 (never below what the verify phases themselves took), then linear
+    # in between
+    verify_s = {g: statistics.median(c - d for c, d in zip(cycle[g], draft[g])) for g in SAMPLE_GAMMAS}
+    measured = {g + 1: max(cycle_s[g] - g * per_draft, verify_s[g]) / t_step for g in SAMPLE_GAMMAS}
     v = tuple(_interpolate(measured, n) for n in range(1, MAX_GAMMA + 2))
     return CostModel(t_step, per_draft / t_step, v, dec.device.type)
 
@@ -383,8 +388,8 @@ def measure_beam(dec: Decoder, beam_size: int, draft_width: int) -> BeamCosts:
         for rep in range(BEAM_REPS + 1):  # round robin, the first round untimed (as in measure_sampling)
             for run, seconds in zip(runs, times):
                 elapsed, steps = _timed(dec.device, run)
-                if rep:
-                    seconds.append(max(elapsed - encode, 0.0) / steps)
+                if rep:  # under load the encoding's median can exceed this run's own: a run never costs nothing
+                    seconds.append(max(elapsed - encode, 0.1 * elapsed) / steps)
     finally:
         dec.layer_evals = evals
     step, *cycles = (statistics.median(t) for t in times)
