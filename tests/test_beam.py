@@ -209,3 +209,76 @@ def test_beam_equals_reference_semantics_with_pruning(beam_size, length_penalty,
         steps.append(n)
     assert min(steps) < 12  # the stopping rule ended some items before max_length
     assert out.stats.steps == max(steps)  # the batch runs until its last item is done
+
+
+def upstream_state(batch, k, eos, stop_together=True):
+    return BeamState.initial(batch, k, 1.0, eos, torch.device("cpu"), "upstream", stop_together)
+
+
+def test_upstream_step_ranks_each_beams_top_k_and_keeps_expanding_after_eos():
+    """spear-tts's step: each beam offers its K best tokens; no length normalisation; a beam holding
+    an EOS keeps expanding (its later tokens add to its score) until every beam holds one."""
+    eos = 3
+    steps = [torch.tensor([[0.1, 0.2, 0.1, 0.6], [0.25] * 4]).log(),  # only beam 0 expands
+             # beam 0 (EOS, .6) offers 0 (.5), 1 (.4); beam 1 (.2) offers 2 (.9), 0 (.1): .30, .24, .18, .02
+             torch.tensor([[0.5, 0.4, 0.05, 0.05], [0.1, 0.0, 0.9, 0.0]]).log()]
+    watched = upstream_state(1, 2, eos, stop_together=False)  # beams stay visible
+    out = beam_step(watched, steps[0])
+    assert out.tokens.tolist() == [3, 1] and out.parents.tolist() == [0, 0] and watched.ended.tolist() == [True, False]
+    out = beam_step(watched, steps[1])
+    assert watched.tokens.tolist() == [[3, 0], [3, 1]] and out.parents.tolist() == [0, 0]
+    assert watched.scores[0].tolist() == pytest.approx([math.log(0.6 * 0.5), math.log(0.6 * 0.4)])
+    assert watched.all_ended()
+    state = upstream_state(1, 2, eos)
+    beam_step(state, steps[0])
+    beam_step(state, steps[1])
+    assert state.active == 0  # every beam holds an EOS: the search stopped
+    tokens, score = state.best(0)
+    assert tokens.tolist() == [3] and score == pytest.approx(math.log(0.6 * 0.5))  # cut after the EOS
+
+
+def test_upstream_step_ties_follow_torch_sort_of_beam_major_candidates():
+    """Equal candidates are ordered as torch.sort orders spear-tts's stacked (beam, rank) list."""
+    state = upstream_state(1, 3, None)
+    beam_step(state, torch.tensor([[0.5, 0.3, 0.2, 0.0]] * 3).log())
+    lp = torch.full((3, 4), 0.25).log()  # every candidate of a beam ties
+    cand = (state.scores.float()[:, :, None] + lp.topk(3, dim=-1).values.view(1, 3, 3)).flatten(1)
+    order = cand.sort(dim=1, descending=True).indices[0, :3]
+    out = beam_step(state, lp)
+    assert out.parents.tolist() == (order // 3).tolist()
+    assert out.tokens.tolist() == lp.topk(3, dim=-1).indices.view(-1)[order].tolist()
+
+
+def test_upstream_items_stop_together():
+    """An item whose beams all hold an EOS keeps going until every item's do (its ranking can change)."""
+    eos = 2
+    state = upstream_state(2, 1, eos)
+    beam_step(state, torch.tensor([[0.1, 0.1, 0.8], [0.8, 0.1, 0.1]]).log())
+    assert state.active == 2 and state.ended.tolist() == [True, False]
+    beam_step(state, torch.tensor([[0.1, 0.1, 0.8], [0.1, 0.1, 0.8]]).log())
+    assert state.active == 0
+    assert state.best(0)[0].tolist() == [2] and state.best(1)[0].tolist() == [0, 2]
+    alone = upstream_state(2, 1, eos, stop_together=False)  # the caller decides (speculative beam search)
+    beam_step(alone, torch.tensor([[0.1, 0.1, 0.8], [0.1, 0.1, 0.8]]).log())
+    beam_step(alone, torch.tensor([[0.1, 0.1, 0.8], [0.1, 0.1, 0.8]]).log())
+    assert alone.active == 2 and alone.all_ended()
+
+
+@pytest.mark.parametrize("cond_scale, temperature", [(1.0, 1.0), (2.0, 0.5), (1.0, 0.0)])
+def test_upstream_semantics_equals_spear_tts(cond_scale, temperature, layout):
+    """Our batched loop (every layout, kernels included) == spear-tts's generate(beam_search_decode=True)."""
+    from tts_specdec._upstream import TextToSemantic, quiet_progress
+
+    model = make_model(11, cond_drop_prob=0.2)
+    source = make_source(4, 6, seed=3, lengths=[6, 4, 2, 5])
+    kw = dict(beam_size=3, max_length=12, cond_scale=cond_scale, temperature=temperature)
+    with quiet_progress():
+        ref = TextToSemantic.generate(model, source, source_type="text", target_type="speech",
+                                      beam_search_decode=True, **kw)
+    out = SpeculativeDecoder(model).beam_search(source, gamma=0, beam_semantics="upstream", **kw)
+    eos, steps = model.eos_id["speech"], out.stats.beam_steps
+    assert ref.shape[1] == steps
+    for row, tokens in zip(ref, out.tokens):
+        ended = (row == eos).nonzero()
+        expected = row[: int(ended[0])] if ended.numel() else row
+        assert tokens.tolist() == expected.tolist()

@@ -1,11 +1,15 @@
 """Drop-in generate(): spear-tts's arguments and return conventions, our loops underneath."""
 
+import copy
+import gc
+import weakref
+
 import pytest
 import torch
 
 import tts_specdec
-from tts_specdec import SpeculativeDecoder, generate, patch
-from tts_specdec._upstream import _spear, quiet_progress
+from tts_specdec import SpeculativeDecoder, generate, patch, unpatch
+from tts_specdec._upstream import TextToSemantic, _spear, quiet_progress
 from tts_specdec.generate import _filter
 
 from conftest import forward_logits, make_model, make_source
@@ -19,7 +23,7 @@ TTS = dict(source_type="text", target_type="speech")
 def upstream(model, source, **kwargs):
     """spear-tts's own method, even on a patched model."""
     with quiet_progress():
-        return type(model).generate(model, source, **kwargs)
+        return TextToSemantic.generate(model, source, **kwargs)
 
 
 def spear_format(rows, eos, pad, max_length):
@@ -59,11 +63,18 @@ def test_return_source_and_mask_like_upstream(patched, source):
 
 
 @pytest.mark.parametrize("spec_decode", [False, True])
-def test_beam_search_in_spear_format(patched, source, spec_decode):
+def test_upstream_beam_is_the_default_and_equals_spear_tts(patched, source, spec_decode):
+    kw = dict(TTS, beam_search_decode=True, beam_size=3, max_length=MAX_LENGTH, temperature=0.8)
+    out = patched.generate(source, **kw, spec_decode=spec_decode, spec_decode_gamma=3)
+    assert torch.equal(out, upstream(patched, source, **kw))
+
+
+@pytest.mark.parametrize("spec_decode", [False, True])
+def test_standard_beam_search_in_spear_format(patched, source, spec_decode):
     ref = SpeculativeDecoder(patched).beam_search(source, gamma=0, beam_size=3, max_length=MAX_LENGTH)
     out = patched.generate(
         source, **TTS, beam_search_decode=True, spec_decode=spec_decode, beam_size=3,
-        spec_decode_gamma=4, max_length=MAX_LENGTH,
+        spec_decode_gamma=4, max_length=MAX_LENGTH, beam_semantics="standard",
     )
     expected = spear_format(ref.tokens, patched.eos_id["speech"], patched.semantic_pad_id, MAX_LENGTH)
     assert torch.equal(out, expected)
@@ -73,7 +84,8 @@ def test_beam_search_in_spear_format(patched, source, spec_decode):
 
 
 def test_functional_form_and_cfg_beam(patched, source):
-    kw = dict(TTS, beam_search_decode=True, beam_size=2, max_length=MAX_LENGTH, cond_scale=2.0)
+    kw = dict(TTS, beam_search_decode=True, beam_size=2, max_length=MAX_LENGTH, cond_scale=2.0,
+              beam_semantics="standard")
     ref = SpeculativeDecoder(patched).beam_search(source, gamma=0, beam_size=2, max_length=MAX_LENGTH, cond_scale=2.0)
     expected = spear_format(ref.tokens, patched.eos_id["speech"], patched.semantic_pad_id, MAX_LENGTH)
     assert torch.equal(generate(patched, source, **kw, spec_decode=True), expected)
@@ -86,7 +98,9 @@ def test_upstream_default_filter_mapping():
     assert _filter(_spear.top_k, {"thres": 0.5}, vocab, 0.7) == (7, None)
     assert _filter(_spear.top_k, {"k": 4}, vocab, 1.0) == (4, None)
     assert _filter(_spear.top_p, {}, vocab, 1.0) == (None, 0.9)
-    assert _filter(_spear.top_p, {"thres": 0.5}, vocab, 0.8) == (None, None)  # order matters: not mapped
+    assert _filter(_spear.top_p, {"thres": 0.5}, vocab, 0.8) is None  # order matters: not mapped
+    assert _filter(_spear.top_p, {}, vocab, 0.0) == (None, None)  # greedy: top-k and top-p keep the argmax
+    assert _filter(lambda x: x, {}, vocab, 0.0) is None  # another function may not
 
 
 def test_default_filter_samples_only_top_k(patched, source):
@@ -110,7 +124,20 @@ def test_custom_filter_runs_upstream_loop(patched, source):
     torch.manual_seed(1)
     with quiet_progress():
         out = patched.generate(source, **kw)
-    assert torch.equal(out, ref)
+    # every row masked after its EOS (spear-tts leaves that undone when a row runs to max_length)
+    assert torch.equal(out, _spear.mask_after_eos(ref, patched.eos_id["speech"], patched.semantic_pad_id))
+
+
+def test_custom_filter_honoured_when_greedy(patched, source):
+    """A filter banning the greedy choice: spear-tts applies it before the argmax, and so do we."""
+    greedy = patched.generate(source, **TTS, temperature=0.0, max_length=MAX_LENGTH)
+    banned = int(greedy[0, 0])
+    fn = lambda logits: logits.index_fill(-1, torch.tensor([banned]), float("-inf"))  # noqa: E731
+    kw = dict(TTS, temperature=0.0, max_length=MAX_LENGTH, filter_logits_fn=fn)
+    out = patched.generate(source, **kw)
+    assert not (out == banned).any()
+    ref = upstream(patched, source, **kw)
+    assert torch.equal(out, _spear.mask_after_eos(ref, patched.eos_id["speech"], patched.semantic_pad_id))
 
 
 def test_speech_to_text_without_exit_head_uses_plain_paths():
@@ -118,10 +145,7 @@ def test_speech_to_text_without_exit_head_uses_plain_paths():
     speech = torch.randint(0, 12, (2, 7), generator=torch.Generator().manual_seed(0))
     kw = dict(source_type="speech", target_type="text", max_length=MAX_LENGTH)
     out = model.generate(speech, **kw, beam_search_decode=True, spec_decode=True, beam_size=2)
-    ref = SpeculativeDecoder(model, source_type="speech", target_type="text").beam_search(
-        speech, gamma=0, beam_size=2, max_length=MAX_LENGTH
-    )
-    assert torch.equal(out, spear_format(ref.tokens, model.eos_id["text"], model.text_pad_id, MAX_LENGTH))
+    assert torch.equal(out, upstream(model, speech, **kw, beam_search_decode=True, beam_size=2))
     greedy = model.generate(speech, **kw, temperature=0.0, spec_decode=True)
     # spear-tts masks after EOS only when every row ended; we always do (EOS kept, then padding)
     ref = _spear.mask_after_eos(upstream(model, speech, **kw, temperature=0.0), model.eos_id["text"], 0)
@@ -129,7 +153,71 @@ def test_speech_to_text_without_exit_head_uses_plain_paths():
 
 
 def test_rejects_what_it_cannot_honour(patched, source):
-    with pytest.raises(ValueError, match="temperature"):
-        patched.generate(source, **TTS, beam_search_decode=True, temperature=0.5, max_length=4)
-    with pytest.raises(ValueError, match="source_mask"):
+    with pytest.raises(ValueError, match="spec_decode_lenience"):  # raised: audiolm silences warnings.warn
+        patched.generate(source, **TTS, spec_decode=True, spec_decode_lenience=1.5, max_length=4)
+    with pytest.raises(ValueError, match="source_mask must have shape"):  # spear-tts: a RuntimeError deep inside
         patched.generate(source, **TTS, source_mask=torch.ones_like(source, dtype=torch.bool), max_length=4)
+    with pytest.raises(ValueError, match="beam_semantics"):
+        patched.generate(source, **TTS, beam_search_decode=True, beam_semantics="other", max_length=4)
+    with pytest.raises(ValueError, match="beam_size"):  # spear-tts: torch.topk's "selected index k out of range"
+        patched.generate(source, **TTS, beam_search_decode=True, beam_size=14, max_length=4)
+
+
+def test_inputs_spear_tts_takes(patched):
+    """An empty text, a row of padding, left padding, int32 ids, a mask unlike the padding: spear-tts's output."""
+    before = patched.tokenizer_encode
+    patched.tokenizer_encode = lambda texts: torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor([1 + ord(c) % 19 for c in t] or [0], dtype=torch.long) for t in texts], batch_first=True)
+    eos, pad = patched.eos_id["speech"], patched.semantic_pad_id
+    kw = dict(TTS, temperature=0.0, max_length=MAX_LENGTH)
+    try:
+        texts = ["a cat", "", "on the mat"]
+        assert torch.equal(patched.generate(texts, **kw), _spear.mask_after_eos(upstream(patched, texts, **kw), eos, pad))
+    finally:
+        patched.tokenizer_encode = before
+    ids = torch.tensor([[0, 0, 5, 6, 7], [0, 0, 0, 0, 0], [3, 4, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0, 1, 1], [1, 0, 0, 0, 0, 0], [1, 0, 1, 1, 0, 0]], dtype=torch.bool)
+    beam = dict(TTS, beam_search_decode=True, beam_size=2, max_length=MAX_LENGTH)
+    for source, extra in [(ids, {}), (ids.int(), {}), (ids, dict(source_mask=mask))]:
+        for args in (kw, beam):
+            ref = upstream(patched, source, **args, **extra)
+            assert torch.equal(patched.generate(source, **args, **extra), _spear.mask_after_eos(ref, eos, pad))
+
+
+def test_patched_model_is_not_kept_alive():
+    model = patch(make_model(5))
+    model.generate(make_source(1, 4), **TTS, temperature=0.0, max_length=4)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_unpatch_and_context_manager_restore_spear_tts(source):
+    model = make_model(6)
+    original = model.generate
+    with tts_specdec.patched(model):
+        assert model.generate.__func__ is generate
+    assert model.generate == original and "generate" not in model.__dict__
+    patch(model)
+    copy.deepcopy(model)  # the decoders kept on the model are not copied
+    unpatch(model)
+    assert model.generate == original and not hasattr(model, "_tts_specdec_decoders")
+
+
+def test_subclass_override_refused_and_compiled_model_unwrapped(source):
+    class Custom(TextToSemantic):
+        def generate(self, *args, **kwargs):
+            return "custom"
+
+    model = make_model(7)
+    model.__class__ = Custom
+    with pytest.raises(TypeError, match="overrides generate"):
+        patch(model)
+    model.__class__ = TextToSemantic
+    compiled = torch.compile(model)  # compiles nothing until called: patch unwraps it
+    assert patch(compiled) is compiled
+    kw = dict(TTS, temperature=0.0, max_length=MAX_LENGTH)
+    assert torch.equal(compiled.generate(source, **kw), generate(model, source, **kw))
+    with pytest.raises(TypeError, match="TextToSemantic"):
+        patch(torch.nn.Linear(2, 2))

@@ -112,3 +112,20 @@ def test_float32_many_sources_near_ties_only():
     hist = spec.stats.committed_hist
     assert sum(k * n for k, n in enumerate(hist)) >= plain.stats.steps
     assert any(hist[2:]), "the partial draft never got a step accepted"
+
+
+@pytest.mark.parametrize("kind", ["equal", "random", "partial"])
+@pytest.mark.parametrize("beam_size, gamma", [(1, 2), (2, 1), (3, 3), (4, 6)])
+def test_upstream_semantics_float64_equals_plain(kind, beam_size, gamma, layout):
+    """spear-tts's search: items advance at different rates here but must stop together, each
+    returning its first beam at the common stop."""
+    model = draft_model(kind, seed=4, dtype=torch.float64, cond_drop_prob=0.2)
+    dec = SpeculativeDecoder(model)
+    for (batch, lengths), temperature, cond_scale in [((1, [6]), 1.0, 1.0), ((3, [6, 4, 2]), 0.6, 1.0),
+                                                      ((3, [2, 6, 5]), 0.0, 2.0)]:
+        source = make_source(batch, 6, seed=batch + 7, lengths=lengths)
+        kw = dict(beam_size=beam_size, max_length=MAX_LENGTH, beam_semantics="upstream", temperature=temperature,
+                  cond_scale=cond_scale)
+        plain, spec = dec.beam_search(source, gamma=0, **kw), dec.beam_search(source, **kw, gamma=gamma)
+        assert_same(plain, spec)
+        assert spec.stats.beam_steps == plain.stats.beam_steps == plain.stats.steps

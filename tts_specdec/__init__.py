@@ -7,6 +7,6 @@ from .api import SpeculativeDecoder
 from .decoder import Decoder, Encoded
 from .cache import KVCache
 from .results import Decoded, DecodeStats
-from .generate import generate, patch
+from .generate import generate, patch, patched, unpatch
 
-__all__ = ["SpeculativeDecoder", "Decoder", "Encoded", "KVCache", "Decoded", "DecodeStats", "generate", "patch"]
+__all__ = ["SpeculativeDecoder", "Decoder", "Encoded", "KVCache", "Decoded", "DecodeStats", "generate", "patch", "patched", "unpatch"]

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ._upstream import TextToSemantic
 from .auto import AUTO, Costs, CostModel, SamplingPolicy
-from .beam import beam_search_loop
+from .beam import SEMANTICS, BeamSemantics, beam_search_loop
 from .decoder import Decoder
 from .inputs import check_common, check_draft_cond_scale, check_float, check_gamma, check_int, eval_mode, prepare_source, walk
 from .results import Decoded, DecodeStats, most_used_gamma
@@ -45,6 +45,8 @@ class SpeculativeDecoder:
         gamma: int | str | None = None,
         draft_confidence: float | None = None,
         draft_cond_scale: float | None = None,
+        source_mask: Tensor | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> Decoded:
         """Sample (temperature 0: greedy), exactly from the target's distribution whatever the gamma.
 
@@ -67,6 +69,10 @@ class SpeculativeDecoder:
         draft_cond_scale: with gamma > 0 or "auto" and cond_scale > 1, the guidance scale of the draft's
         logits (default: cond_scale). Any draft keeps sampling exact; a weak draft often agrees better
         with the guided target when mixed more gently.
+        source_mask: spear-tts's source mask over the source with its EOS set (default: source != pad).
+        Given, it says which tokens are real: then empty texts, rows of padding and left padding are
+        taken as spear-tts takes them (without it they are refused as likely mistakes).
+        progress: called with the longest row's length as decoding advances (e.g. to draw a bar).
         stats: `gamma_hist` counts the cycles at each gamma; under "auto" `gamma` is the speculative gamma
         of most cycles (0: decoded plainly) and `draft_confidence` the draft stops it used, if any.
         """
@@ -98,7 +104,7 @@ class SpeculativeDecoder:
         cfg = SamplingConfig(temperature, top_k, top_p)
         stats, modules = self._begin()
         with eval_mode(self.model, modules):
-            source = prepare_source(self.model, source, self.decoder.source_type)
+            source = prepare_source(self.model, source, self.decoder.source_type, strict=source_mask is None)
             policy = None
             if gamma == AUTO:
                 ways = self.costs.ways(self.decoder, source.shape[0], temperature > 0)
@@ -110,6 +116,7 @@ class SpeculativeDecoder:
                 self.decoder, source, cfg, gamma=policy.max_gamma if policy else gamma, cond_scale=cond_scale,
                 max_length=max_length, generator=generator, stats=stats,
                 draft_confidence=None if auto else draft_confidence, draft_cond_scale=draft_cond_scale, auto=policy,
+                source_mask=source_mask, progress=progress,
             )
             stats.wall_time = time.perf_counter() - start
         if auto:
@@ -130,8 +137,19 @@ class SpeculativeDecoder:
         cond_scale: float = 1.0,
         gamma: int | str = AUTO,
         draft_width: int | None = None,
+        beam_semantics: BeamSemantics = "standard",
+        temperature: float = 1.0,
+        source_mask: Tensor | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> Decoded:
         """Exact beam search over target log-probs.
+
+        beam_semantics: "standard" (module `beam`: K finished hypotheses, length_penalty) or "upstream",
+        spear-tts's own search (summed log-probs, no length normalisation, beams expand past EOS, all
+        items stop together when every beam holds an EOS); `length_penalty` does not apply to it.
+        temperature: the log-probs are log_softmax(logits / temperature) (0: divided by 1e-10, as spear-tts).
+        source_mask: spear-tts's source mask over the source with its EOS set, as in `sample`.
+        progress: called with the beams' length as the search advances, as in `sample`.
 
         gamma: draft levels per cycle (0: plain beam search): gamma > 0 drafts steps with the early-exit
         head (draft_width W >= beam_size candidates per level, default beam_size) and verifies them in
@@ -144,6 +162,14 @@ class SpeculativeDecoder:
         max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
         beam_size = check_int("beam_size", beam_size, 1)
         length_penalty = check_float("length_penalty", length_penalty)
+        if beam_semantics not in SEMANTICS:
+            raise ValueError(f"beam_semantics must be one of {SEMANTICS}, got {beam_semantics!r}")
+        if beam_semantics == "upstream" and beam_size > self.decoder.vocab_size:
+            raise ValueError(f"beam_size must be <= the vocabulary ({self.decoder.vocab_size}) with upstream "
+                             f"beam semantics (every beam proposes beam_size tokens), got {beam_size}")
+        temperature = check_float("temperature", temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
         gamma = check_gamma(gamma, self.decoder.exit_layer)
         auto = gamma == AUTO
         if draft_width is not None:
@@ -151,24 +177,26 @@ class SpeculativeDecoder:
         width = draft_width or (2 * beam_size if auto else beam_size)
         stats, modules = self._begin()
         with eval_mode(self.model, modules):
-            source = prepare_source(self.model, source, self.decoder.source_type)
+            source = prepare_source(self.model, source, self.decoder.source_type, strict=source_mask is None)
             if auto:
                 has_draft = self.decoder.exit_layer is not None
                 gamma = self.costs.beam_gamma(self.decoder, beam_size, width) if has_draft else 0
             start = time.perf_counter()
+            same = dict(semantics=beam_semantics, temperature=temperature, source_mask=source_mask, progress=progress)
             if gamma:
                 from .spec_beam import spec_beam_search_loop
 
-                tokens, scores = spec_beam_search_loop(
+                tokens, scores, stats.beam_steps = spec_beam_search_loop(
                     self.decoder, source, beam_size=beam_size, length_penalty=length_penalty,
                     max_length=max_length, cond_scale=cond_scale, gamma=gamma, draft_width=width, stats=stats,
+                    **same,
                 )
             else:
                 tokens, scores, steps = beam_search_loop(
                     self.decoder, source, beam_size=beam_size, length_penalty=length_penalty,
-                    max_length=max_length, cond_scale=cond_scale,
+                    max_length=max_length, cond_scale=cond_scale, **same,
                 )
-                stats.steps = stats.target_passes = steps
+                stats.steps = stats.target_passes = stats.beam_steps = steps
             stats.wall_time = time.perf_counter() - start
         if auto and gamma:  # what its cycles committed informs the next auto call
             self.costs.observe_beam(gamma, stats.committed_hist)

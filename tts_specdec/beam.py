@@ -7,6 +7,15 @@ Semantics (the reference that speculative beam search must equal):
   (len counts generated tokens including EOS); other candidates fill the next K live beams;
 - an item is done when it has K finished hypotheses and its best live beam, normalised by the
   current length, cannot beat the worst of them; at max_length live beams are finalised as they are.
+
+spear-tts's own `generate(beam_search_decode=True)` is another search ("upstream" semantics):
+- every live beam proposes its K best tokens (torch.topk of its log-probs); the K * K candidates,
+  beam-major as spear-tts stacks them, are ranked by summed log-prob with torch.sort (descending)
+  and the first K are the new beams; no length normalisation, no finished set;
+- a beam that emitted EOS keeps expanding: its later tokens still add to its score (the caller masks
+  them); the search stops when every beam of every item holds an EOS, or at max_length;
+- the result is the first beam (cut after its first EOS).
+The same sums, topk and sort on rows of the same length give the same ranking, ties included.
 Beams live in the batch dimension: row a*K + j is beam j of active item a.
 """
 
@@ -15,12 +24,16 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor
 
 from .decoder import Decoder, Encoded
 from .sampling import cfg_mix
+
+BeamSemantics = Literal["standard", "upstream"]
+SEMANTICS = ("standard", "upstream")
 
 
 @dataclass
@@ -35,11 +48,17 @@ class BeamState:
     scores: Tensor  # (active, K) summed log-probs of the live beams
     # per original item: min-heap of (score, tie, tokens incl. EOS), at most K entries
     finished: list[list[tuple[float, int, Tensor]]] = field(default_factory=list)
+    semantics: BeamSemantics = "standard"
+    # upstream: (active * K,) the live beam holds an EOS; the items stop together when all of theirs do,
+    # unless `stop_together` is False (the caller then ends them: `spec_beam` runs items one by one)
+    ended: Tensor | None = None
+    stop_together: bool = True
     _tie: int = 0
 
     @classmethod
     def initial(
-        cls, batch: int, beam_size: int, length_penalty: float, eos_id: int | None, device: torch.device
+        cls, batch: int, beam_size: int, length_penalty: float, eos_id: int | None, device: torch.device,
+        semantics: BeamSemantics = "standard", stop_together: bool = True,
     ) -> "BeamState":
         scores = torch.full((batch, beam_size), -math.inf, dtype=torch.float64, device=device)
         scores[:, 0] = 0.0  # all K beams start equal: let only the first one expand
@@ -51,6 +70,9 @@ class BeamState:
             torch.zeros(batch * beam_size, 0, dtype=torch.long, device=device),
             scores,
             [[] for _ in range(batch)],
+            semantics,
+            torch.zeros(batch * beam_size, dtype=torch.bool, device=device) if semantics == "upstream" else None,
+            stop_together,
         )
 
     @property
@@ -74,6 +96,21 @@ class BeamState:
         score, _, tokens = max(self.finished[item])
         return tokens, score
 
+    def all_ended(self) -> bool:
+        """upstream: every live beam of every active item holds an EOS (then they all do from now on:
+        every later beam extends one of them)."""
+        return bool(self.ended.all())
+
+    def first_beam(self, i: int) -> tuple[Tensor, float]:
+        """upstream: active item i's result if the search stopped now: its first beam, cut after its
+        first EOS, and that beam's summed log-prob."""
+        tokens = self.tokens[i * self.beam_size]
+        if self.eos_id is not None:
+            eos = (tokens == self.eos_id).nonzero()
+            if eos.numel():
+                tokens = tokens[: int(eos[0]) + 1]
+        return tokens, float(self.scores[i, 0])
+
 
 @dataclass
 class StepOutput:
@@ -87,6 +124,8 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
 
     logprobs: (active * K, V) next-token log-probs of the live beams. `last` finalises at max_length.
     """
+    if state.semantics == "upstream":
+        return _upstream_step(state, logprobs, last)
     k, a = state.beam_size, state.active
     vocab = logprobs.shape[-1]
     cand = (state.scores.to(logprobs.dtype)[:, :, None] + logprobs.view(a, k, vocab)).view(a, k * vocab)
@@ -126,6 +165,34 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     state.tokens = state.tokens[rows]
     state.scores = state.scores[kept]
     return StepOutput(parents.flatten()[rows], tokens.flatten()[rows], kept)
+
+
+def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput:
+    """One step of spear-tts's beam search (module docstring) for every active item."""
+    k, a, device = state.beam_size, state.active, state.tokens.device
+    top, top_tokens = logprobs.topk(k, dim=-1)  # (a * K, K): spear-tts's per-beam candidates, best first
+    beams = 1 if state.length == 0 else k  # spear-tts starts from one beam, then keeps K
+    top, top_tokens = top.view(a, k, k)[:, :beams], top_tokens.view(a, k, k)[:, :beams]
+    # float sums in the log-probs' dtype, as spear-tts adds them (scores hold those values exactly)
+    cand = (state.scores[:, :beams].to(logprobs.dtype)[:, :, None] + top).flatten(1)
+    order = cand.sort(dim=1, descending=True).indices[:, :k]  # (a, K) flat index beam * K + rank
+    beam = torch.div(order, k, rounding_mode="floor")
+    parents = (beam + torch.arange(a, device=device)[:, None] * k).flatten()
+    tokens = top_tokens.flatten(1).gather(1, order).flatten().to(device)
+    state.scores = cand.gather(1, order).to(device, torch.float64)
+    state.tokens = torch.cat((state.tokens[parents], tokens[:, None]), dim=1)
+    state.ended = state.ended[parents]
+    if state.eos_id is not None:
+        state.ended |= tokens == state.eos_id
+    kept = torch.arange(a, device=device)
+    if last or (state.stop_together and state.all_ended()):
+        for i in range(a):
+            tokens_i, score = state.first_beam(i)
+            state._add_finished(state.items[i], score, tokens_i)
+        state.items, kept = [], kept[:0]
+        state.tokens, state.scores, state.ended = state.tokens[:0], state.scores[:0], state.ended[:0]
+        return StepOutput(parents[:0], tokens[:0], kept)
+    return StepOutput(parents, tokens, kept)
 
 
 def _walk(
@@ -173,27 +240,32 @@ def beam_search_loop(
     length_penalty: float,
     max_length: int,
     cond_scale: float,
+    semantics: BeamSemantics = "standard",
+    temperature: float = 1.0,
+    source_mask: Tensor | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[list[Tensor], list[float], int]:
     """Plain batched beam search: one forward pass per step for all beams of all items.
 
-    Returns (best tokens per item incl. EOS, their scores, number of steps).
+    Returns (best tokens per item incl. EOS, their scores, number of steps). `progress` is told the
+    beams' length after every step.
     """
     batch, k = source.shape[0], beam_size
     guided = cond_scale > 1
-    enc = encode_beams(dec, source, k, guided)
+    enc = encode_beams(dec, source, k, guided, source_mask)
     # by reference: a beam step reorders slot tables, never K/V (every row writes slot t at step t)
     cache = dec.new_cache(enc.rows, min(max_length, 256) + 1, by_reference=True)
-    state = BeamState.initial(batch, k, length_penalty, dec.eos_id, source.device)
+    state = BeamState.initial(batch, k, length_penalty, dec.eos_id, source.device, semantics)
     layers = range(dec.depth)
     x = dec.start(enc.rows)
     steps = 0
     for t in range(max_length):
         cache.grow(t + 1)
         logits = dec.target_logits(dec.run(x, t, layers, enc, cache)[:, -1])
-        if guided:
-            logits = cfg_mix(logits, cond_scale)
-        out = beam_step(state, logits.log_softmax(dim=-1), last=t + 1 == max_length)
+        out = beam_step(state, step_logprobs(logits, cond_scale, temperature), last=t + 1 == max_length)
         steps += 1
+        if progress is not None:
+            progress(steps)
         if state.active == 0:
             break
         rows = dec.rows(out.parents, guided)
@@ -205,10 +277,20 @@ def beam_search_loop(
     return [t for t, _ in best], [s for _, s in best], steps
 
 
-def encode_beams(dec: Decoder, source: Tensor, k: int, guided: bool) -> Encoded:
+def step_logprobs(logits: Tensor, cond_scale: float, temperature: float = 1.0) -> Tensor:
+    """Beam scores' log-probs: log_softmax of the CFG-mixed logits over the temperature, computed as
+    spear-tts computes them (temperature 0 divides by 1e-10: near-greedy ranking)."""
+    if cond_scale > 1:
+        logits = cfg_mix(logits, cond_scale)
+    if temperature != 1.0:  # x / 1.0 == x: skipping it changes no value
+        logits = logits / max(temperature, 1e-10)
+    return logits.log_softmax(dim=-1)
+
+
+def encode_beams(dec: Decoder, source: Tensor, k: int, guided: bool, mask: Tensor | None = None) -> Encoded:
     """Encode each item once and give each of its K beams (item-major rows) that source side."""
     items = torch.arange(source.shape[0], device=source.device)
-    return dec.encode(source, guided).select(dec.rows(items.repeat_interleave(k), guided))
+    return dec.encode(source, guided, mask).select(dec.rows(items.repeat_interleave(k), guided))
 
 
 def item_rows(items: Tensor, k: int) -> Tensor:

@@ -159,13 +159,22 @@ class Decoder:
 
     # ---- source ----------------------------------------------------------------------------
 
-    def encode(self, source: Tensor, guided: bool = False) -> Encoded:
-        """Encode padded source ids (batch, n) exactly as `TextToSemantic.generate` does."""
+    def encode(self, source: Tensor, guided: bool = False, mask: Tensor | None = None) -> Encoded:
+        """Encode padded source ids (batch, n) exactly as `TextToSemantic.generate` does.
+
+        mask: spear-tts's `source_mask`, True at the tokens to attend to, over the source as the model
+        sees it (with its EOS set: n + 1 columns where the model sets one); default source != pad."""
         m = self.model
         pad = m.pad_id[self.source_type]
         if m.autoset_eos_id[self.source_type]:
             source = _spear.set_eos_id(source, m.eos_id[self.source_type], pad_id=pad)
-        mask = source != pad
+        if mask is None:
+            mask = source != pad
+        elif mask.shape != source.shape:
+            raise ValueError(f"source_mask must have shape {tuple(source.shape)} (the source with its EOS), "
+                             f"got {tuple(mask.shape)}")
+        else:
+            mask = mask.to(source.device, torch.bool)
         if self._encoder is None:
             self._encoder = SourceEncoder(m.source_transformer)
         states = self._encoder(m.token_emb[self.source_type](source), mask)

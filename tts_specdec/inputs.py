@@ -13,8 +13,13 @@ from torch import Tensor
 from ._upstream import TextToSemantic
 
 
-def prepare_source(model: TextToSemantic, source: Tensor | Sequence[str], source_type: str = "text") -> Tensor:
-    """Strings or padded ids -> a checked LongTensor (batch, n) on the model's device."""
+def prepare_source(
+    model: TextToSemantic, source: Tensor | Sequence[str], source_type: str = "text", *, strict: bool = True
+) -> Tensor:
+    """Strings or padded ids -> a checked LongTensor (batch, n) on the model's device.
+
+    strict: refuse empty texts, rows of padding only and padding before a token (right padding only);
+    spear-tts itself takes them (the drop-in `generate` passes strict=False)."""
     if isinstance(source, str):
         raise TypeError("source must be a list of strings or a LongTensor (batch, n), not a single str")
     if isinstance(source, (list, tuple)):
@@ -23,7 +28,7 @@ def prepare_source(model: TextToSemantic, source: Tensor | Sequence[str], source
         if model.tokenizer_encode is None:
             raise ValueError("source is a list of strings but the model has no tokenizer (tokenizer_encode)")
         for i, text in enumerate(source):
-            if not text.strip():
+            if strict and not text.strip():
                 raise ValueError(f"source[{i}] is empty")
         source = model.tokenizer_encode(list(source))
     if not isinstance(source, Tensor):
@@ -45,6 +50,8 @@ def prepare_source(model: TextToSemantic, source: Tensor | Sequence[str], source
         row, col = bad.nonzero()[0].tolist()
         raise ValueError(f"source[{row}, {col}] = {int(source[row, col])} is outside the {source_type} vocabulary [0, {vocab})")
     empty = ~real.any(dim=1)
+    if not strict:
+        return source
     if empty.any():
         raise ValueError(f"source row {int(empty.nonzero()[0])} is empty (only padding id {pad})")
     if (real[:, 1:] & ~real[:, :-1]).any():

@@ -13,6 +13,7 @@ class DecodeStats:
 
     mode: str = ""
     steps: int = 0  # plain: decoding steps; speculative: cycles
+    beam_steps: int = 0  # beam search: steps of the search's longest item (plain or speculative)
     target_passes: int = 0
     draft_passes: int = 0
     generated_tokens: int = 0

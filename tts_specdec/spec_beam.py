@@ -11,22 +11,24 @@ Per cycle, every active item at its own length t (its live beams' pending inputs
           step whose new beams leave the tree is still committed (its log-probs were exact)
   commit  new beam j = its root's row (one reorder per cycle), its accepted path's K/V moved from
           their tree slots to slots t+1.., cropped to t + committed steps
-The result is token for token what `beam.beam_search_loop` returns.
+The result is token for token what `beam.beam_search_loop` returns, for either beam semantics. With
+spear-tts's ("upstream"), items advance at different rates but the search stops for all of them
+together (`_Together`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from .beam import BeamState, beam_step, encode_beams, item_rows
+from .beam import BeamSemantics, BeamState, beam_step, encode_beams, item_rows, step_logprobs
 from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .results import DecodeStats
-from .sampling import cfg_mix
 from .timing import PhaseClock
 
 
@@ -64,6 +66,41 @@ class _Advance:
     tokens: Tensor | None  # (K,) pending input of each new live beam
 
 
+@dataclass
+class _Together:
+    """spear-tts's stopping rule for items that advance at different rates. Its search stops at the
+    first length T at which every beam of every item holds an EOS (or at max_length), and returns each
+    item's first beam at T. An item's beams, once all ended, stay so; T is the largest length at which
+    an item's beams all ended. So each item keeps its first beam at every length from its own on, and
+    runs until T is known and reached."""
+
+    items: int
+    max_length: int
+    ended_at: dict[int, int] = field(default_factory=dict)  # item -> length its beams all ended at
+    first: dict[int, dict[int, tuple[Tensor, float]]] = field(default_factory=dict)  # item -> length -> result
+
+    @property
+    def stop(self) -> int:
+        """T if known, else max_length (an upper bound)."""
+        if len(self.ended_at) < self.items:
+            return self.max_length
+        return min(self.max_length, max(self.ended_at.values()))
+
+    def record(self, item: int, state: BeamState) -> bool:
+        """After a beam step of `item`: keep its result at this length if it can be T; True: it is done."""
+        kept = self.first.setdefault(item, {})
+        if state.active == 0:  # finalised at max_length
+            kept[state.length] = state.best(0)
+            return True
+        if state.all_ended():
+            self.ended_at.setdefault(item, state.length)
+            kept[state.length] = state.first_beam(0)
+        return state.length >= self.stop
+
+    def result(self, item: int) -> tuple[Tensor, float]:
+        return self.first[item][self.stop]
+
+
 def spec_beam_search_loop(
     dec: Decoder,
     source: Tensor,
@@ -75,14 +112,21 @@ def spec_beam_search_loop(
     gamma: int,
     draft_width: int,
     stats: DecodeStats,
-) -> tuple[list[Tensor], list[float]]:
-    """Returns (best tokens per item incl. final EOS if any, their scores), as plain beam search."""
+    semantics: BeamSemantics = "standard",
+    temperature: float = 1.0,
+    source_mask: Tensor | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[Tensor], list[float], int]:
+    """Returns (best tokens per item incl. final EOS if any, their scores, beam steps of the longest
+    item), as plain beam search. `progress` is told the longest item's length after every cycle."""
     batch, k, device = source.shape[0], beam_size, source.device
     guided = cond_scale > 1
     width = min(draft_width, k * dec.vocab_size)
-    enc = encode_beams(dec, source, k, guided)
+    enc = encode_beams(dec, source, k, guided, source_mask)
     cache = dec.new_cache(enc.rows, min(max_length, 256) + 2 + gamma * width)
-    states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device) for _ in range(batch)]
+    together = _Together(batch, max_length) if semantics == "upstream" else None
+    states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device, semantics, stop_together=False)
+              for _ in range(batch)]
     live = _Live(list(range(batch)), states, torch.zeros(batch, dtype=torch.long, device=device),
                  dec.start(enc.rows), enc)
     done: dict[int, BeamState] = {}
@@ -93,12 +137,14 @@ def spec_beam_search_loop(
         levels = min(gamma, max_length - 1 - int(live.pos.min()))
         cache.grow(int(live.pos.max()) + 2 + levels * width)
         t0 = clock.mark()
-        tree = draft(dec, live, cache, levels, width, cond_scale)
+        tree = draft(dec, live, cache, levels, width, cond_scale, temperature)
         t1 = clock.mark()
-        logprobs = verify(dec, live, tree, cache, cond_scale)
+        logprobs = verify(dec, live, tree, cache, cond_scale, temperature)
         clock.add("draft", t0, t1)
         clock.add("verify", t1, clock.mark())
-        advances = replay(live, tree, logprobs, max_length)
+        advances = replay(live, tree, logprobs, max_length, together)
+        if progress is not None:
+            progress(max(s.length for s in live.states))
         for a, adv in enumerate(advances):
             stats.committed_hist[adv.steps] += 1
             if adv.parents is None:
@@ -108,11 +154,16 @@ def spec_beam_search_loop(
         stats.target_passes += 1
         stats.draft_passes += levels
     clock.into(stats)
+    if together is not None:
+        best = [together.result(i) for i in range(batch)]
+        return [t for t, _ in best], [s for _, s in best], together.stop
     best = [done[i].best(0) for i in range(batch)]
-    return [t for t, _ in best], [s for _, s in best]
+    return [t for t, _ in best], [s for _, s in best], max(done[i].length for i in range(batch))
 
 
-def draft(dec: Decoder, live: _Live, cache: KVCache, levels: int, width: int, cond_scale: float) -> _Tree:
+def draft(
+    dec: Decoder, live: _Live, cache: KVCache, levels: int, width: int, cond_scale: float, temperature: float = 1.0
+) -> _Tree:
     """Beam search with the exit head for `levels` levels of width W per item; every node is kept."""
     guided = cond_scale > 1
     g = 2 if guided else 1
@@ -156,8 +207,8 @@ def draft(dec: Decoder, live: _Live, cache: KVCache, levels: int, width: int, co
         if d == levels:
             break
         # expand: candidates of every node of this level, top W per item by draft score
-        lp = _logprobs(dec.draft_logits(hv[lrow, :, col].flatten(0, 1)), cond_scale)
-        if eos is not None:
+        lp = step_logprobs(dec.draft_logits(hv[lrow, :, col].flatten(0, 1)), cond_scale, temperature)
+        if eos is not None and live.states[0].semantics == "standard":
             lp[:, eos] = -math.inf  # EOS ends a hypothesis: it is never a node to expand
         per = level.numel() // a_n
         cand = (score.to(lp.dtype)[:, None] + lp).view(a_n, per * vocab)
@@ -185,7 +236,9 @@ def draft(dec: Decoder, live: _Live, cache: KVCache, levels: int, width: int, co
     return _Tree(row[:n_nodes], index[:n_nodes], depth[:n_nodes], parent[:n_nodes], anc, hs, count, children)
 
 
-def verify(dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, cond_scale: float) -> Tensor:
+def verify(
+    dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, cond_scale: float, temperature: float = 1.0
+) -> Tensor:
     """One target pass (layers E+1..L) over every node of every root row; log-probs per node (N, V)."""
     guided = cond_scale > 1
     k = live.states[0].beam_size
@@ -200,21 +253,26 @@ def verify(dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, cond_scale: f
     h = dec.run(tree.h[:, :m], dec.start_of(t, guided), upper, live.enc, cache,
                 attn_mask=_tree_mask(tree.anc, idx, real, t, t + m, guided),
                 positions=dec.per_row(t[:, None] + depth, guided), real=dec.per_row(real, guided))
-    lp = _logprobs(dec.target_logits(h), cond_scale)  # (R, m, V)
+    lp = step_logprobs(dec.target_logits(h), cond_scale, temperature)  # (R, m, V)
     return lp[tree.row, tree.index]
 
 
-def replay(live: _Live, tree: _Tree, logprobs: Tensor, max_length: int) -> list[_Advance]:
+def replay(
+    live: _Live, tree: _Tree, logprobs: Tensor, max_length: int, together: _Together | None = None
+) -> list[_Advance]:
     """Exact beam steps on target log-probs, per item, while every live beam is a verified node."""
     advances = []
     for a, state in enumerate(live.states):
         k = state.beam_size
         nodes = list(range(a * k, (a + 1) * k))  # the roots: this item's live beams
         steps = 0
+        if together is not None and state.length >= together.stop:  # T became known after it passed T
+            advances.append(_Advance(0, None, None))
+            continue
         while True:
             out = beam_step(state, logprobs[nodes], last=state.length + 1 == max_length)
             steps += 1
-            if state.active == 0:
+            if together is not None and together.record(live.items[a], state) or state.active == 0:
                 advances.append(_Advance(steps, None, None))
                 break
             parents = [nodes[j] for j in out.parents.tolist()]
@@ -279,6 +337,3 @@ def _tree_mask(anc: Tensor, idx: Tensor, real: Tensor, t: Tensor, end: Tensor, g
     mask = torch.where(real[..., None], mask, rel[:, None, :] == idx[..., None])
     return Decoder.per_row(mask, guided)[:, None]
 
-
-def _logprobs(logits: Tensor, cond_scale: float) -> Tensor:
-    return (cfg_mix(logits, cond_scale) if cond_scale > 1 else logits).log_softmax(dim=-1)

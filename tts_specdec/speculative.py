@@ -16,7 +16,7 @@ cycle; every cycle is exact on its own, so the output law stays the target's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -75,6 +75,8 @@ def sample_loop(
     draft_confidence: float | None = None,
     draft_cond_scale: float | None = None,
     auto: SamplingPolicy | None = None,
+    source_mask: Tensor | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[Tensor]:
     """Returns each row's generated tokens (EOS and everything after it removed).
 
@@ -84,10 +86,12 @@ def sample_loop(
     draft_cond_scale: the guidance scale of the draft's logits (None: cond_scale).
     auto: picks each cycle's gamma and draft stops instead (`gamma`: the most it picks) and is told what
     every cycle accepted.
+    source_mask: spear-tts's source mask (`Decoder.encode`).
+    progress: told the longest row's length after every cycle.
     """
     batch, device = source.shape[0], source.device
     guide = _Guidance(cond_scale > 1, cond_scale, cond_scale if draft_cond_scale is None else draft_cond_scale)
-    enc = dec.encode(source, guide.on)
+    enc = dec.encode(source, guide.on, source_mask)
     cache = dec.new_cache(enc.rows, min(max_length, 256) + gamma + 2)
     out: list[list[int]] = [[] for _ in range(batch)]
     rows = _Rows(list(range(batch)), [0] * batch, dec.start(enc.rows))
@@ -131,6 +135,8 @@ def sample_loop(
             if not ended:
                 keep.append(r)
         cache.crop(dec.per_row(torch.tensor(rows.pos, device=device), guide.on))
+        if progress is not None:
+            progress(max(len(o) for o in out))
         if len(keep) < len(rows.index):
             keep_t = torch.tensor(keep, dtype=torch.long, device=device)
             cache_rows = dec.rows(keep_t, guide.on)
