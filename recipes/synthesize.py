@@ -2,7 +2,14 @@
 
     python recipes/synthesize.py                                   # the demo: samples/ + samples/README.md
     python recipes/synthesize.py "Any text." --mode spec-beam --out out.wav
-    python recipes/synthesize.py --texts lines.txt --out wavs/     # one wav per line, in batches
+    python recipes/synthesize.py --texts lines.txt --out wavs/     # one wav per line + wavs/manifest.jsonl
+    torchrun --nproc_per_node 2 recipes/synthesize.py --texts lines.txt --out wavs/ --threads 1
+
+--texts is a resumable job: wavs/NNNNN.wav for input line NNNNN (1-based) and one manifest entry per line;
+a rerun skips lines already made with the same text and settings and redoes the rest; a line that fails
+is recorded and the others go on (exit status 1 if any failed). Under torchrun (or accelerate launch)
+the processes share the lines and write what one process writes (docs/scale-out.md).
+User errors (missing files, bad numbers) print one line and exit with status 2.
 
 Modes (tts_specdec.speech.MODES): plain (greedy), spec (greedy speculative, gamma 4), beam (beam 4),
 spec-beam (speculative beam search, beam 4, gamma 1, draft width 8). Nothing is downloaded; espeak-ng is only
@@ -12,16 +19,18 @@ needed for the quality figures of the demo (they are skipped with a message with
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from tts_specdec.speech import MODES, SpeechModel, load_default, load_speech_model, synthesize
+from tts_specdec.speech import batch, cli
 from tts_specdec.speech.audio import write_wav
-from tts_specdec.speech.pipeline import DEFAULT_COND_SCALE
+from tts_specdec.speech.longtext import MAX_PIECE_CHARS
+from tts_specdec.speech.pipeline import DEFAULT_COND_SCALE, MAX_COND_SCALE
 from tts_specdec.speech.evaluation import run_mode, vocoder_ceiling
 from tts_specdec.speech.references import heldout_sentences, reference_wavs
 from tts_specdec.speech.report import markdown_table, spectrogram_figure
@@ -29,26 +38,37 @@ from tts_specdec.speech.report import markdown_table, spectrogram_figure
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
 
 
-def one(speech: SpeechModel, text: str, mode: str, out: Path, cond_scale: float) -> None:
-    result = synthesize(speech, [text], mode, cond_scale=cond_scale)
+def one(speech: SpeechModel, text: str, mode: str, out: Path, cond_scale: float, seed: int, max_chars: int) -> None:
+    result = synthesize(speech, [text], mode, cond_scale=cond_scale, seed=seed, max_chars=max_chars)
     write_wav(out, result.wavs[0])
     stats = result.stats
-    print(f"{out}: {result.audio_seconds:.2f} s of audio, {stats.generated_tokens} units in "
-          f"{result.decode_seconds:.2f} s ({stats.tokens_per_second:.0f} tokens/s, mode {mode})")
+    print(f"{out}: {result.audio_seconds:.2f} s of audio ({result.pieces[0]} pieces), {stats.generated_tokens} "
+          f"units in {result.decode_seconds:.2f} s ({stats.tokens_per_second:.0f} tokens/s, mode {mode})")
 
 
-def many(speech: SpeechModel, texts_file: Path, mode: str, out_dir: Path, batch_size: int,
-         cond_scale: float) -> None:
-    if not texts_file.is_file():
-        raise FileNotFoundError(f"--texts: no such file: {texts_file}")
-    lines = [line.strip() for line in texts_file.read_text(encoding="utf-8").splitlines()]
-    jobs = [(i, t) for i, t in enumerate(lines) if t and not (out_dir / f"{i:05d}.wav").exists()]
-    print(f"{len(jobs)} of {sum(map(bool, lines))} lines to synthesise into {out_dir}/")
-    for start in tqdm(range(0, len(jobs), batch_size), desc=mode, unit="batch"):
-        batch = jobs[start:start + batch_size]
-        result = synthesize(speech, [t for _, t in batch], mode, cond_scale=cond_scale)
-        for (i, _), wav in zip(batch, result.wavs):
-            write_wav(out_dir / f"{i:05d}.wav", wav)
+def processes(device: str) -> batch.Processes:
+    """accelerate's process state under torchrun / accelerate launch or on a GPU; one process otherwise."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and device == "cpu":
+        return batch.SingleProcess()
+    from accelerate import PartialState
+
+    return PartialState(cpu=device == "cpu")
+
+
+def many(speech: SpeechModel, texts_file: Path, out_dir: Path, settings: batch.Settings, batch_size: int,
+         state: batch.Processes) -> int:
+    """The --texts job; returns the exit status (1 if any line failed)."""
+    report = batch.run(speech, texts_file, out_dir, settings, batch_size=batch_size, processes=state)
+    if not state.is_main_process:
+        return 0
+    print(f"{out_dir}/: {len(report.entries)} lines: {report.ok} ok ({report.reused} kept from an earlier run), "
+          f"{report.blank} blank, {len(report.failed)} failed; {report.made} lines decoded by {state.num_processes} "
+          f"processes in {report.seconds:.1f} s; {report.manifest}")
+    for entry in report.failed[:20]:
+        print(f"  {entry.error}", file=sys.stderr)
+    if len(report.failed) > 20:
+        print(f"  ... and {len(report.failed) - 20} more (status \"error\" in the manifest)", file=sys.stderr)
+    return 1 if report.failed else 0
 
 
 def demo(speech: SpeechModel, out_dir: Path, n_eval: int, n_samples: int, modes: list[str],
@@ -139,44 +159,64 @@ def write_readme(out_dir: Path, speech: SpeechModel, results, ceiling, identical
     (out_dir / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("text", nargs="?", help="one sentence to speak (writes --out)")
+def main() -> int:
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("text", nargs="?", help="one text to speak (writes --out)")
     parser.add_argument("--mode", choices=sorted(MODES), default="spec-beam")
     parser.add_argument("--out", type=Path, help="wav file (one text) or folder (--texts, demo)")
-    parser.add_argument("--texts", type=Path, help="text file, one sentence per line")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--texts", type=Path, help="text file, one text per line (UTF-8)")
+    parser.add_argument("--batch-size", type=cli.int_at_least(1), default=8, help="--texts: lines per decoding call")
     parser.add_argument("--checkpoint", type=Path, help="checkpoint folder (default: the shipped one)")
-    parser.add_argument("--n-eval", type=int, default=50, help="demo: held-out sentences to score")
-    parser.add_argument("--n-samples", type=int, default=5, help="demo: sentences whose wavs are kept")
+    parser.add_argument("--n-eval", type=cli.int_at_least(1), default=50, help="demo: held-out sentences to score")
+    parser.add_argument("--n-samples", type=cli.int_at_least(1), default=5, help="demo: sentences whose wavs are kept")
     parser.add_argument("--modes", default="plain,spec,beam,spec-beam", help="demo: comma-separated modes")
-    parser.add_argument("--cond-scale", type=float, default=DEFAULT_COND_SCALE,
+    parser.add_argument("--cond-scale", type=cli.float_in(1.0, MAX_COND_SCALE), default=DEFAULT_COND_SCALE,
                         help="classifier-free guidance scale (1 = off)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=cli.int_at_least(0), default=0,
+                        help="sampling seed (a batch is seeded with seed + its first line)")
+    parser.add_argument("--max-chars", type=cli.int_at_least(20), default=MAX_PIECE_CHARS,
+                        help="longest piece of text decoded as one row (texts are cut at sentence ends too)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the decoder runs (under torchrun on GPUs: each process its own GPU)")
+    parser.add_argument("--threads", type=cli.int_at_least(1), default=2, help="CPU threads per process")
     args = parser.parse_args()
 
-    torch.set_num_threads(args.threads)
-    if args.batch_size < 1:
-        parser.error("--batch-size must be >= 1")
     if args.text is not None and args.texts is not None:
         parser.error("give either a text or --texts, not both")
-    speech = load_default() if args.checkpoint is None else load_speech_model(args.checkpoint)
-    try:
-        if args.text is not None:
-            one(speech, args.text, args.mode, args.out or Path("out.wav"), args.cond_scale)
-        elif args.texts is not None:
-            many(speech, args.texts, args.mode, args.out or Path("out"), args.batch_size, args.cond_scale)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        parser.error(f"--modes: unknown {unknown}; choose from {sorted(MODES)}")
+    if args.n_samples > args.n_eval:
+        parser.error("--n-samples must be between 1 and --n-eval")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    with cli.user_errors(parser.prog):
+        if args.texts is not None:
+            cli.readable_file(args.texts, "--texts")
+            out = cli.writable_folder(args.out or Path("out"), "--out")
+        elif args.text is not None:
+            out = args.out or Path("out.wav")
+            if out.is_dir():
+                raise IsADirectoryError(f"--out: {out} is a folder; give a .wav file name")
+            cli.writable_folder(out.parent, "--out")
         else:
-            modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-            unknown = [m for m in modes if m not in MODES]
-            if unknown or not modes:
-                parser.error(f"--modes: unknown {unknown}; choose from {sorted(MODES)}")
-            if not 1 <= args.n_samples <= args.n_eval:
-                parser.error("--n-samples must be between 1 and --n-eval")
-            demo(speech, args.out or SAMPLES, args.n_eval, args.n_samples, modes, args.cond_scale)
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        sys.exit(f"error: {error}")
+            out = cli.writable_folder(args.out or SAMPLES, "--out")
+        state = processes(args.device) if args.texts is not None else None
+        torch.set_num_threads(args.threads)  # after accelerate, which sets its own per-process default
+        speech = load_default() if args.checkpoint is None else load_speech_model(args.checkpoint)
+        device = state.device if state is not None and hasattr(state, "device") else torch.device(args.device)
+        speech.model.to(device)
+        if args.text is not None:
+            one(speech, args.text, args.mode, out, args.cond_scale, args.seed, args.max_chars)
+            return 0
+    if args.texts is not None:
+        settings = batch.Settings(args.mode, args.cond_scale, args.seed, args.max_chars,
+                                  "shipped" if args.checkpoint is None else str(args.checkpoint.resolve()))
+        return many(speech, args.texts, out, settings, args.batch_size, state)
+    demo(speech, out, args.n_eval, args.n_samples, modes, args.cond_scale)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,12 +1,15 @@
 """Train the default model: k-means units on the corpus, then TextToSemantic with an early-exit head.
 
     python recipes/make_corpus.py
-    python recipes/train.py                     # -> runs/default/{kmeans.joblib,pairs.pt,checkpoint/}
+    python recipes/train.py                     # -> runs/default/{units.safetensors,pairs_*.safetensors,checkpoint/}
     python recipes/train.py --ship              # also copy the checkpoint into tts_specdec/assets/
     python recipes/train.py --init-from tts_specdec/assets --steps 0 --distill-steps 0 \
         --draft-distill 12000 --ship            # only refit the shipped exit head (trunk frozen)
 
-Deterministic for a given --seed (2 CPU threads); each stage is cached in the run directory.
+Deterministic for a given --seed (2 CPU threads); each stage is cached in the run directory, as
+safetensors and JSON only: nothing in --run is unpickled. `--kmeans FILE` takes an external k-means
+model in audiolm's joblib format instead of fitting one; joblib is pickle, which runs code when read,
+so it is read only because you name it: pass only a file you trust.
 """
 
 from __future__ import annotations
@@ -26,30 +29,49 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from tts_specdec.speech.checkpoint import FILES, Checkpoint, load_checkpoint, save_checkpoint
-from tts_specdec.speech.dataset import PairedData, corpus_frames, extract_pairs
+from tts_specdec.speech.dataset import PairedData, corpus_frames, extract_pairs, load_pairs, save_pairs
 from tts_specdec.speech.model import ModelConfig, build_model
 from tts_specdec.speech.tokenizer import CharTokenizer
 from tts_specdec.distill import distill_exit_head as distill_on_samples
 from tts_specdec.speech.self_distill import greedy_pairs
 from tts_specdec.speech.sentences import generate_sentences
 from tts_specdec.speech.training import TrainConfig, diagnostics, distill_exit_head, train
-from tts_specdec.speech.units import MelKMeans, fit_kmeans, save_kmeans
+from tts_specdec.speech.units import MelKMeans, fit_kmeans, load_centroids, save_centroids
 
 ASSETS = Path(__file__).resolve().parents[1] / "tts_specdec" / "assets"
 
 
 def load_or_extract(path: Path, root: Path, tokenizer: CharTokenizer, extractor: MelKMeans) -> PairedData:
     if path.exists():
-        return PairedData(**torch.load(path, weights_only=True))
+        return load_pairs(path)
     data = extract_pairs(root, tokenizer, extractor)
-    torch.save(dataclasses.asdict(data), path)
+    save_pairs(data, path)
     return data
+
+
+def units_of_run(args) -> MelKMeans:
+    """The run's k-means units: --kmeans (an external joblib, read because the user named it), else
+    DIR/units.safetensors, fitted on the corpus the first time. A DIR/kmeans.joblib of an older run is
+    never read (a file planted there would run code)."""
+    if args.kmeans is not None:
+        extractor = MelKMeans.from_joblib(args.kmeans)
+        save_centroids(extractor.centroids, args.run / "units.safetensors")
+        return extractor
+    path = args.run / "units.safetensors"
+    if not path.exists():
+        if (args.run / "kmeans.joblib").exists():
+            print(f"{args.run / 'kmeans.joblib'} is not read (pickle); pass --kmeans to use it. Fitting k-means.")
+        frames = corpus_frames(args.corpus / "train", args.kmeans_utterances, seed=args.seed)
+        save_centroids(torch.from_numpy(fit_kmeans(frames, args.n_units, seed=args.seed).cluster_centers_), path)
+    return MelKMeans(load_centroids(path))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     parser.add_argument("--run", type=Path, default=Path("runs/default"))
+    parser.add_argument("--kmeans", type=Path, help="an external k-means model in audiolm's joblib format "
+                        "(pickle: read because you name it; only a file you trust)")
     parser.add_argument("--n-units", type=int, default=128)
     parser.add_argument("--kmeans-utterances", type=int, default=1500)
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
@@ -82,13 +104,12 @@ def main() -> None:
     args.run.mkdir(parents=True, exist_ok=True)
     tokenizer = CharTokenizer()
 
-    kmeans_path = args.run / "kmeans.joblib"
-    if not kmeans_path.exists():
-        frames = corpus_frames(args.corpus / "train", args.kmeans_utterances, seed=args.seed)
-        save_kmeans(fit_kmeans(frames, args.n_units, seed=args.seed), kmeans_path)
-    extractor = MelKMeans.from_joblib(kmeans_path)  # our own file, written just above
-    train_data = load_or_extract(args.run / "pairs_train.pt", args.corpus / "train", tokenizer, extractor)
-    heldout = load_or_extract(args.run / "pairs_heldout.pt", args.corpus / "heldout", tokenizer, extractor)
+    extractor = units_of_run(args)
+    # the cached pairs hold units of these centroids: their name says which
+    tag = fingerprint(extractor.centroids)
+    train_data = load_or_extract(args.run / f"pairs_train.{tag}.safetensors", args.corpus / "train", tokenizer, extractor)
+    heldout = load_or_extract(args.run / f"pairs_heldout.{tag}.safetensors", args.corpus / "heldout", tokenizer,
+                              extractor)
 
     config = ModelConfig(n_units=extractor.codebook_size, num_text_token_ids=tokenizer.num_text_token_ids,
                          dim=args.dim, source_depth=args.source_depth, target_depth=args.target_depth,
@@ -134,6 +155,12 @@ def main() -> None:
         for name in FILES:
             shutil.copy(out / name, ASSETS / name)
         print(f"shipped to {ASSETS}")
+
+
+def fingerprint(tensor: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(tensor.float().contiguous().numpy().tobytes()).hexdigest()[:12]
 
 
 def draft_distill(model, n: int, steps: int, exclude: set[str], seed: int) -> dict:

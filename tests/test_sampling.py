@@ -294,3 +294,23 @@ def test_kernel_top_p_closed_form(dtype):
         assert (out[0] > 0).nonzero()[:, 0].tolist() == keep, p
     torch.testing.assert_close(probabilities(logits, SamplingConfig(top_p=0.6)).double(),
                                torch.tensor([[0.0, 2 / 3, 0.0, 1 / 3]], dtype=torch.float64), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 5e-324, 1e-11])
+def test_temperature_below_the_floor_is_greedy(temperature):
+    # logits / 1e-38 overflow float32 to inf: without the floor the probabilities are NaN
+    assert SamplingConfig(temperature=temperature).greedy and SamplingConfig(temperature=1e-10).temperature == 1e-10
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5]])
+    assert probabilities(logits, SamplingConfig(temperature=temperature, top_k=2)).tolist() == [[0, 1, 0, 0]]
+
+
+def test_tiny_temperature_decodes_as_greedy():
+    from tts_specdec import SpeculativeDecoder
+    from conftest import make_model, make_source
+
+    model, source = make_model(0), make_source(3, 7, seed=0, lengths=[7, 5, 3])
+    greedy = SpeculativeDecoder(model).sample(source, temperature=0.0, gamma=0, max_length=12).tokens
+    for gamma in (0, 2):
+        tiny = SpeculativeDecoder(model).sample(source, temperature=1e-38, gamma=gamma, max_length=12,
+                                                generator=torch.Generator().manual_seed(0)).tokens
+        assert [t.tolist() for t in tiny] == [t.tolist() for t in greedy]

@@ -76,3 +76,54 @@ def test_shipped_default_loads_offline_and_fits_budget():
     assert not speech.model.training
     assert config.target_early_exit_layer <= config.target_depth // 4
     assert speech.units.codebook_size == speech.vocoder.codebook_size == config.n_units
+
+
+def _edit_config(path, section, key, value):
+    config = json.loads((path / "config.json").read_text())
+    if value is _DELETE:
+        del config[section][key]
+    else:
+        config[section][key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize("section, key, value, message", [
+    ("model", "dim", _DELETE, "config.json: model: missing keys ['dim']"),
+    ("model", "dim", "32", "config.json: model.dim: must be a finite int, got '32'"),
+    ("model", "heads", True, "config.json: model.heads: must be a finite int"),
+    ("model", "cond_drop_prob", None, "config.json: model.cond_drop_prob: must be a finite float"),
+    ("mel", "sample_rate", 22050, "config.json: mel.sample_rate: must be 16000"),
+    ("mel", "n_mels", 64, "units.safetensors: centroids must be finite, of shape"),
+    ("mel", "f_max", 9000.0, "config.json: mel.f_min: needs 0 <= f_min < f_max <= sample_rate / 2"),
+    ("model", "num_text_token_ids", 40, "tokenizer.json: 33 characters + padding"),
+])
+def test_config_errors_name_file_and_key(tmp_path, section, key, value, message):
+    save_checkpoint(tmp_path, tiny_checkpoint())
+    _edit_config(tmp_path, section, key, value)
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(tmp_path)
+    assert message in str(error.value) and str(tmp_path) in str(error.value)
+
+
+def test_weights_are_checked_against_the_config_and_for_nan(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_checkpoint(tmp_path, tiny_checkpoint())
+    state = load_file(str(tmp_path / "model.safetensors"))
+    name = next(k for k, v in state.items() if v.dim() == 2)
+    good = state[name]
+    state[name] = torch.zeros(good.shape[0] + 1, good.shape[1])
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"model.safetensors: {name} has shape"):
+        load_checkpoint(tmp_path)
+    state[name] = good.clone()
+    state[name][0, 0] = float("nan")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"model.safetensors: {name} holds NaN"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        load_checkpoint(tmp_path)

@@ -37,4 +37,7 @@ def test_bad_input(speech):
         synthesize(speech, ["price: 5 €"], "plain")
     with pytest.raises(TypeError, match="texts"):
         synthesize(speech, "hello", "plain")
+    for scale in (1e38, float("nan"), 0.5):
+        with pytest.raises(ValueError, match=r"cond_scale must be a number in \[1, 100\]"):
+            synthesize(speech, ["hello"], "plain", cond_scale=scale)
     assert set(MODES) == {"plain", "spec", "beam", "spec-beam"}

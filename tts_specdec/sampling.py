@@ -16,13 +16,22 @@ from torch import Tensor
 from . import kernels
 
 
+# spear-tts divides logits by max(temperature, 1e-10), which is greedy in effect below it; dividing by
+# less overflows float32 logits to inf (all-NaN probabilities, zeros emitted), so below it we are greedy
+TEMPERATURE_FLOOR = 1e-10
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    """The filter applied identically to target and draft logits."""
+    """The filter applied identically to target and draft logits (temperature < TEMPERATURE_FLOOR: 0)."""
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+
+    def __post_init__(self):
+        if 0 < self.temperature < TEMPERATURE_FLOOR:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,8 @@ import soundfile as sf
 import torch
 import torchaudio.functional as AF
 
+from .atomic import atomic_file
+
 SAMPLE_RATE = 16_000
 
 
@@ -25,7 +27,10 @@ def read_wav(path: str | Path, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
 
 
 def write_wav(path: str | Path, wav: torch.Tensor, sample_rate: int = SAMPLE_RATE) -> Path:
-    """Write a mono waveform as 16-bit PCM; peak-normalised only if it would clip."""
+    """Write a mono waveform as 16-bit PCM; peak-normalised only if it would clip.
+
+    Atomic: the file is written under a temporary name in the same folder and renamed, so `path` is
+    either absent, the old file or the complete new one, even if the process is killed mid-write."""
     if wav.dim() != 1:
         raise ValueError(f"wav must be 1-D (samples,), got shape {tuple(wav.shape)}")
     path = Path(path)
@@ -34,5 +39,17 @@ def write_wav(path: str | Path, wav: torch.Tensor, sample_rate: int = SAMPLE_RAT
     peak = float(np.abs(data).max()) if data.size else 0.0
     if peak > 0.99:
         data = data * (0.99 / peak)
-    sf.write(str(path), data, sample_rate, subtype="PCM_16")
+    with atomic_file(path) as file:
+        sf.write(file, data, sample_rate, subtype="PCM_16", format="WAV")
     return path
+
+
+def wav_samples(path: str | Path, sample_rate: int = SAMPLE_RATE) -> int | None:
+    """Samples in a complete mono wav at `sample_rate`, or None if it is missing or unreadable."""
+    try:
+        info = sf.info(str(path))
+    except (OSError, RuntimeError, sf.LibsndfileError):
+        return None
+    if info.samplerate != sample_rate or info.channels != 1:
+        return None
+    return int(info.frames)

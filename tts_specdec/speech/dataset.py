@@ -36,6 +36,37 @@ def corpus_frames(root: str | Path, max_utterances: int, seed: int = 0) -> np.nd
     return torch.cat(frames).numpy()
 
 
+def save_pairs(data: PairedData, path: str | Path) -> Path:
+    """PairedData as one safetensors file (ids and units end to end, lengths, texts in its metadata)."""
+    import json
+
+    from safetensors.torch import save
+
+    from .atomic import atomic_file
+
+    tensors = {"text_ids": torch.cat(data.text_ids).long() if data.text_ids else torch.zeros(0, dtype=torch.long),
+               "text_lengths": torch.tensor([len(t) for t in data.text_ids], dtype=torch.long),
+               "units": torch.cat(data.units).long() if data.units else torch.zeros(0, dtype=torch.long),
+               "unit_lengths": torch.tensor([len(u) for u in data.units], dtype=torch.long)}
+    path = Path(path)
+    with atomic_file(path) as file:
+        file.write(save(tensors, metadata={"texts": json.dumps(data.texts)}))
+    return path
+
+
+def load_pairs(path: str | Path) -> PairedData:
+    """PairedData written by `save_pairs` (safetensors and JSON: no code runs)."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as file:
+        texts = json.loads(file.metadata()["texts"])
+        t = {name: file.get_tensor(name) for name in file.keys()}
+    return PairedData(texts, list(t["text_ids"].split(t["text_lengths"].tolist())),
+                      list(t["units"].split(t["unit_lengths"].tolist())))
+
+
 def extract_pairs(root: str | Path, tokenizer: CharTokenizer, extractor: UnitExtractor) -> PairedData:
     texts, text_ids, units = [], [], []
     for u in tqdm(read_metadata(root), desc=f"units {root}"):

@@ -14,6 +14,7 @@ from spear_tts_pytorch import TextToSemantic
 
 from .checkpoint import Checkpoint, load_checkpoint
 from .features import MelConfig
+from .longtext import MAX_PIECE_CHARS, join_audio, split_text
 from .model import ModelConfig
 from .tokenizer import CharTokenizer
 from .units import MelKMeans
@@ -22,6 +23,8 @@ from .vocoder import CentroidVocoder
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # classifier-free guidance for the recipes: the shipped model was trained with condition dropout
 DEFAULT_COND_SCALE = 1.0
+# guidance far past this only sharpens toward the argmax, and near 1e38 overflows the logits to inf
+MAX_COND_SCALE = 100.0
 
 
 @dataclass
@@ -80,11 +83,12 @@ MODES: dict[str, Mode] = {
 @dataclass
 class Synthesis:
     texts: list[str]
-    units: list[torch.Tensor]   # per text, (frames,)
-    wavs: list[torch.Tensor]    # per text, (samples,)
+    units: list[torch.Tensor]   # per text, (frames,): its pieces' units end to end
+    wavs: list[torch.Tensor]    # per text, (samples,): its pieces' audio joined with short pauses
     stats: object               # tts_specdec.DecodeStats of the decoding call
     decode_seconds: float
     vocode_seconds: float
+    pieces: list[int] = field(default_factory=list)  # per text, sentence pieces decoded (longtext.split_text)
 
     @property
     def audio_seconds(self) -> float:
@@ -108,7 +112,7 @@ def decode_units(speech: SpeechModel, texts: list[str], mode: Mode, *, seed: int
     max_length = default_max_length(source) if max_length is None else max_length
     decoder = SpeculativeDecoder(speech.model)
     if mode.method == "sample":
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(device=speech.model.device).manual_seed(seed)
         return decoder.sample(source, temperature=mode.temperature, gamma=mode.gamma,
                               max_length=max_length, cond_scale=cond_scale, generator=generator)
     if mode.method == "beam_search":
@@ -123,17 +127,36 @@ def units_only(speech: SpeechModel, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def synthesize(speech: SpeechModel, texts: list[str], mode: Mode | str = "spec-beam", *,
-               seed: int = 0, max_length: Optional[int] = None, cond_scale: float = 1.0) -> Synthesis:
-    """Texts -> units (chosen decoding mode) -> waveforms (centroid Griffin-Lim vocoder)."""
+               seed: int = 0, max_length: Optional[int] = None, cond_scale: float = 1.0,
+               max_chars: int = MAX_PIECE_CHARS) -> Synthesis:
+    """Texts -> units (chosen decoding mode) -> waveforms (centroid Griffin-Lim vocoder).
+
+    Each text is cut into sentences (and pieces of at most `max_chars` characters where a sentence is
+    longer, `longtext.split_text`); every piece of every text is one row of a single decoding call,
+    and a text's audio is its pieces' audio joined with short pauses. max_length caps each piece."""
     import time
 
     if isinstance(mode, str):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
         mode = MODES[mode]
-    out = decode_units(speech, texts, mode, seed=seed, max_length=max_length, cond_scale=cond_scale)
+    if not isinstance(texts, list) or not texts:
+        raise TypeError("texts must be a non-empty list of str")
+    if not (isinstance(cond_scale, (int, float)) and 1 <= cond_scale <= MAX_COND_SCALE):  # NaN fails too
+        raise ValueError(f"cond_scale must be a number in [1, {MAX_COND_SCALE:g}], got {cond_scale!r}")
+    for text in texts:
+        speech.tokenizer.encode_one(text)  # the whole text's error (empty, unknown characters), not a piece's
+    pieces = [split_text(text, max_chars) for text in texts]
+    out = decode_units(speech, [p for text in pieces for p in text], mode, seed=seed, max_length=max_length,
+                       cond_scale=cond_scale)
     units = [units_only(speech, t.cpu()) for t in out.tokens]
     start = time.perf_counter()
     # an utterance needs 2 frames to vocode; a model that stops at once yields a short silence
     wavs = [speech.vocoder(u) if u.numel() >= 2 else torch.zeros(speech.mel_config.hop_length) for u in units]
-    return Synthesis(texts, units, wavs, out.stats, out.stats.wall_time, time.perf_counter() - start)
+    text_units, text_wavs, at = [], [], 0
+    for n in map(len, pieces):
+        text_units.append(torch.cat(units[at:at + n]))
+        text_wavs.append(join_audio(wavs[at:at + n], speech.mel_config.sample_rate))
+        at += n
+    return Synthesis(texts, text_units, text_wavs, out.stats, out.stats.wall_time, time.perf_counter() - start,
+                     [len(p) for p in pieces])

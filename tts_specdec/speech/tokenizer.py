@@ -59,7 +59,12 @@ class CharTokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"path: no such tokenizer file: {path}")
-        data = json.loads(path.read_text())
-        if data.get("type") != "char" or data.get("pad_id") != PAD_ID:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path}: not valid JSON ({error})") from None
+        if not isinstance(data, dict) or data.get("type") != "char" or data.get("pad_id") != PAD_ID:
             raise ValueError(f"path: {path} is not a char tokenizer file")
+        if not isinstance(data.get("vocab"), str):
+            raise ValueError(f"{path}: vocab must be a string of characters")
         return cls(data["vocab"])

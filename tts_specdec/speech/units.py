@@ -3,9 +3,10 @@
 `UnitExtractor` is the interface the pipeline needs; `MelKMeans` is ours, and
 `audiolm_pytorch.HubertWithKmeans` satisfies it as well (it has `codebook_size` and maps a
 (batch, samples) waveform to (batch, frames) unit ids), so users with HuBERT + k-means checkpoints
-can plug it in. Our k-means is saved with joblib exactly as HubertWithKmeans reads it
-(`joblib.load(path).cluster_centers_`); the shipped copy of the centroids is safetensors, because
-joblib is pickle and must only be loaded from files you trust.
+can plug it in. Our own centroids are stored as safetensors (`save_centroids` / `load_centroids`):
+reading them runs no code. A joblib file is pickle, which runs code when read: `MelKMeans.from_joblib`
+reads one (audiolm's format, `joblib.load(path).cluster_centers_`) only when a user passes it, and
+`save_kmeans` writes one only for export to audiolm.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from .atomic import atomic_file
 from .features import LogMel, MelConfig
 
 
@@ -72,6 +74,34 @@ def fit_kmeans(frames: np.ndarray, n_clusters: int, *, seed: int = 0, batch_size
     kmeans = MiniBatchKMeans(n_clusters=n_clusters, batch_size=batch_size, random_state=seed,
                              n_init=3, max_iter=100, compute_labels=False)
     return kmeans.fit(frames)
+
+
+def save_centroids(centroids: torch.Tensor, path: str | Path) -> Path:
+    """(codebook_size, n_mels) centroids as safetensors, written atomically."""
+    from safetensors.torch import save
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as file:
+        file.write(save({"centroids": centroids.float().contiguous()}))
+    return path
+
+
+def load_centroids(path: str | Path) -> torch.Tensor:
+    """Centroids written by `save_centroids` (safetensors: no code runs); names the file in errors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"path: no such centroids file: {path}")
+    try:
+        centroids = load_file(str(path)).get("centroids")
+    except SafetensorError as error:
+        raise ValueError(f"{path}: not a safetensors file ({error})") from None
+    if centroids is None or centroids.dim() != 2 or not centroids.is_floating_point():
+        raise ValueError(f"{path}: needs a float tensor 'centroids' of shape (codebook_size, n_mels)")
+    return centroids.float()
 
 
 def save_kmeans(kmeans, path: str | Path) -> Path:
