@@ -147,7 +147,7 @@ def layout(request, one_thread, monkeypatch):
     blocks, and padded tree rows packed to their real tokens; the kernels (float32 on CPU; other dtypes
     keep torch's path) on two threads: every product and each attention in one call, tree rows
     included (`kernel`), or with tree rows packed, whose attention stays torch's (`kernel-packed`)."""
-    import tts_specdec.decoder as decoder
+    import tts_specdec.backends.torch_eager as torch_eager
     import tts_specdec.kernels as kernels
     import tts_specdec.weights as weights
 
@@ -155,7 +155,7 @@ def layout(request, one_thread, monkeypatch):
     if request.param != "mm":
         torch.set_num_threads(2)
     if request.param in ("split", "kernel-packed"):
-        monkeypatch.setattr(decoder, "_PACK_MIN_WORK", 0)
+        monkeypatch.setattr(torch_eager, "_PACK_MIN_WORK", 0)
     if request.param == "split":
         monkeypatch.setattr(weights, "_SPLIT_MIN_ELEMENTS", 0)
     return request.param

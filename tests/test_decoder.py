@@ -63,9 +63,9 @@ def test_incremental_logits_equal_forward(dtype, kv_heads, chunks, layout):
     w = dec._weights()[0]
     if layout.startswith("kernel") and dtype == torch.float32:
         assert all(isinstance(t, Packed) for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in))
-        assert dec._fused_attention
+        assert dec.backend.name == "kernels"
     else:
-        assert not dec._fused_attention
+        assert dec.backend.name == "torch"
         ndim = 3 if layout == "split" else 2
         assert (w.qkv.dim(), w.ff.w_in.dim(), w.ff.w_out.dim(), w.cross_q_t.dim()) == (ndim,) * 4
     assert rel_err(logits, ref) < TOL[dtype]
@@ -107,9 +107,9 @@ def test_ragged_rows_equal_forward(dtype, n, layout):
 def test_padded_rows_equal_forward(dtype, kv_heads, pack, layout, monkeypatch):
     """`real` marks each row's first n_r positions of a padded chunk: their logits and K/V are exact
     (a later ragged step reads them); packed, only they are computed and padding gets zero outputs."""
-    import tts_specdec.decoder as decoder
+    import tts_specdec.backends.torch_eager as torch_eager
 
-    monkeypatch.setattr(decoder, "_PACK_MIN_WORK", 0 if pack else 1 << 62)
+    monkeypatch.setattr(torch_eager, "_PACK_MIN_WORK", 0 if pack else 1 << 62)
     model = make_model(4, kv_heads=kv_heads, dtype=dtype, std=STD[dtype])
     source = make_source(3, 6, seed=9, lengths=[6, 2, 5])
     target = targets(3, seed=10)

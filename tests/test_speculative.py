@@ -1,6 +1,7 @@
 """sample_loop: plain sampling (gamma = 0) against spear-tts, speculative sampling against plain."""
 
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -103,27 +104,27 @@ def test_plain_first_token_frequencies_follow_softmax(eos_model):
                                                      (1.0, 3, None), (1.0, None, 0.7)],
                          ids=["t1", "t0.7", "greedy", "top3", "topp0.7"])
 def test_fused_plain_runs_equal_step_by_step(sources, monkeypatch, temperature, top_k, top_p, cond_scale):
-    """Plain sampling in runs of kernel steps (Decoder.sample_steps) returns what the step-by-step loop
+    """Plain sampling in runs of kernel steps (CpuKernels.plain_steps) returns what the step-by-step loop
     returns from the same generator, and leaves the generator where the loop leaves it: the same
     tokens, EOS mid-run and max_length mid-run included, the same counters."""
     from tts_specdec import kernels, speculative
-    from tts_specdec.decoder import Decoder
+    from tts_specdec.backends import CpuKernels, TorchEager
 
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason())
     monkeypatch.setattr(speculative, "PLAIN_STEPS", 6)  # runs end inside the 20-token budget
     model = make_model(0) if cond_scale == 1 else make_model(5, cond_drop_prob=0.5)
     runs = []
-    fused_sample_steps = Decoder.sample_steps
+    fused_plain_steps = CpuKernels.plain_steps
 
     def counted(self, *args, **kwargs):
-        out = fused_sample_steps(self, *args, **kwargs)
-        runs.append(out is not None)
+        out = fused_plain_steps(self, *args, **kwargs)
+        runs.append(True)
         return out
 
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(Decoder, "sample_steps", counted if fused else (lambda self, *a, **k: None))
+        monkeypatch.setattr(CpuKernels, "plain_steps", counted if fused else TorchEager.plain_steps)
         g = torch.Generator().manual_seed(11)
         out = SpeculativeDecoder(model).sample(sources[5], temperature=temperature, top_k=top_k, top_p=top_p,
                                                cond_scale=cond_scale, max_length=MAX_LEN, generator=g, gamma=0)
@@ -360,14 +361,14 @@ def test_trunk_runs_once_per_token_beyond_rejected_drafts(sources):
 @pytest.mark.parametrize("confidence", [None, 0.5], ids=["all", "early-stops"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence, top_k, top_p, cond_scale):
-    """The draft phase in one kernel call (Decoder.draft) drafts what the step-by-step loop drafts from
+    """The draft phase in one kernel call (CpuKernels.draft_phase) drafts what the step-by-step loop drafts from
     the same generator: the same tokens, the same exit states, q equal up to float rounding, rows at
     different positions included, the same early stops, the same top-k and top-p filters, the same guidance
     (cond and null rows); and it writes the same trunk K/V."""
     from tts_specdec import kernels
+    from tts_specdec.backends import TorchEager
     from tts_specdec.decoder import Decoder
     from tts_specdec.sampling import SamplingConfig
-    from tts_specdec.speculative import _draft_steps, _Guidance
 
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason())
@@ -388,14 +389,10 @@ def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence,
             dec.run(prefix, 0, range(dec.depth), enc, cache)  # every row's first slots filled
             x = dec.embed(torch.tensor([[1], [2], [3], [4]]), guided)
             gen = torch.Generator().manual_seed(7)
-            if fused:
-                out = dec.draft(x, pos, gamma, temperature, gen, enc, cache, confidence, top_k, top_p, cond_scale)
-                assert out is not None
-            else:
-                cfg = SamplingConfig(temperature, top_k, top_p)
-                start = dec.start_of(pos, guided)
-                out = _draft_steps(dec, x, start, pos, gamma, range(dec.exit_layer), enc, cache, cfg, gen,
-                                   _Guidance(guided, cond_scale, cond_scale), confidence)
+            assert dec.backend.name == "kernels"
+            draft_phase = dec.backend.draft_phase if fused else partial(TorchEager.draft_phase, dec.backend)
+            out = draft_phase(x, pos, gamma, SamplingConfig(temperature, top_k, top_p), gen, enc, cache,
+                              confidence=confidence, cond_scale=cond_scale)
             trunk_k = cache.k[: dec.exit_layer, :, :, : 5 + 5 + gamma + 1].clone()
             results.append((out, trunk_k))
     (exits_f, q_f, drafts_f, limit_f), k_f = results[0]

@@ -31,6 +31,7 @@ from torch import Tensor
 from .beam import beam_search_loop, encode_beams
 from .decoder import Decoder
 from .results import DecodeStats
+from .sampling import SamplingConfig
 from .speculative import probe_cycle
 
 AUTO = "auto"
@@ -327,7 +328,7 @@ def measure_sampling(dec: Decoder) -> CostModel:
         cache = dec.new_cache(1, PREFIX + max(MAX_GAMMA, PLAIN_PROBE_STEPS) + 4)
         dec.run(dec.start(1).expand(1, PREFIX, -1).contiguous(), 0, range(dec.depth), enc, cache)
         x, pos = dec.start(1), torch.tensor([PREFIX], device=dec.device)
-        fused = dec.sample_steps(x, pos, 1, 0.0, None, enc, cache) is not None
+        fused = dec.backend.fused_plain
         cycle: dict[int, list[float]] = {g: [] for g in SAMPLE_GAMMAS}
         draft: dict[int, list[float]] = {g: [] for g in SAMPLE_GAMMAS}
         plain: list[float] = []
@@ -340,7 +341,8 @@ def measure_sampling(dec: Decoder) -> CostModel:
                     draft[gamma].append(draft_seconds)
             if fused:
                 seconds, run = _timed(
-                    dec.device, lambda: dec.sample_steps(x, pos, PLAIN_PROBE_STEPS, 0.0, None, enc, cache))
+                    dec.device, lambda: dec.backend.plain_steps(x, pos, PLAIN_PROBE_STEPS, SamplingConfig(0.0), None,
+                                                                enc, cache))
                 if rep:
                     plain.append(seconds / run[0].shape[1])  # a run may end early, at EOS
     finally:

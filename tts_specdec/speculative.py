@@ -7,8 +7,8 @@ Per cycle, every row at its own length:
   commit  append accepted tokens + correction/bonus, crop each row's cache, drop rows that ended
 Layers 1..E are shared: their K/V, written by the draft, serve the target too, so no token passes
 them twice (rejected drafts are the only wasted work). On the CPU kernels the whole draft phase is one
-call (`Decoder.draft`), early draft stops, top-k/top-p and guidance included, and plain sampling
-(gamma = 0) runs up to PLAIN_STEPS steps per call (`Decoder.sample_steps`), each drawn as the step-by-step
+call (`Backend.draft_phase`), early draft stops, top-k/top-p and guidance included, and plain sampling
+(gamma = 0) runs up to PLAIN_STEPS steps per call (`Backend.plain_steps`), each drawn as the step-by-step
 loop draws it. With gamma="auto" (`auto.SamplingPolicy`) gamma and draft stops may change from cycle to
 cycle; every cycle is exact on its own, so the output law stays the target's.
 """
@@ -99,29 +99,24 @@ def sample_loop(
 
     while rows.index:
         g, confidence = auto.next() if auto is not None else (gamma, draft_confidence)
-        trunk = range(dec.exit_layer) if g else range(0)
-        upper = range(len(trunk), dec.depth)
+        upper = range(dec.exit_layer if g else 0, dec.depth)  # the verify pass's layers
         # plain sampling runs PLAIN_STEPS steps per kernel call (rows advance together: same length)
         steps = g or min(PLAIN_STEPS, max_length - len(out[rows.index[0]]))
         cache.grow(max(rows.pos) + steps + 2)
         pos_t = torch.tensor(rows.pos, device=device)
         t0 = clock.mark()
-        run = None if g else dec.sample_steps(rows.x, pos_t, steps, cfg.temperature, generator, enc, cache,
-                                              cfg.top_k, cfg.top_p, cond_scale)
-        if run is not None:
-            tokens, rows.x = run
+        if not g:  # plain steps, several per call where the backend fuses them
+            tokens, rows.x = dec.backend.plain_steps(rows.x, pos_t, steps, cfg, generator, enc, cache, cond_scale)
             new = tokens.tolist()
             clock.add("verify", t0, clock.mark())
             _count(stats, [], None, 0, 0, passes=tokens.shape[1])
             if auto is not None:
                 auto.plain(tokens.shape[1])
         else:
-            new, rows.x, accepted, proposed = _cycle(dec, rows.x, pos_t, g, trunk, upper, enc, cache, cfg, generator,
+            new, rows.x, accepted, proposed = _cycle(dec, rows.x, pos_t, g, upper, enc, cache, cfg, generator,
                                                      guide, confidence, stats, clock)
-            if auto is not None and proposed is not None:
+            if auto is not None:
                 auto.observe(accepted, proposed)
-            elif auto is not None:
-                auto.plain(1)
         # commit: each row's new tokens (a plain run, or accepted drafts and the correction/bonus token);
         # a row ends at EOS or max_length
         keep = []
@@ -149,7 +144,7 @@ def sample_loop(
 
 
 def _cycle(
-    dec: Decoder, x0: Tensor, pos_t: Tensor, gamma: int, trunk: range, upper: range, enc, cache, cfg: SamplingConfig,
+    dec: Decoder, x0: Tensor, pos_t: Tensor, gamma: int, upper: range, enc, cache, cfg: SamplingConfig,
     generator: torch.Generator | None, guide: _Guidance, draft_confidence: float | None, stats: DecodeStats,
     clock: PhaseClock,
 ) -> tuple[list[list[int]], Tensor, list[int], list[int] | None]:
@@ -162,14 +157,12 @@ def _cycle(
     # draft: gamma tokens from the exit head, keeping every exit state for the target
     # limit: per-row draft counts, only when rows may stop early
     x, q, drafts, limit = x0, None, None, None
-    if gamma:  # the whole draft phase in one kernel call, else step by step
-        fused = dec.draft(x0, pos_t, gamma, cfg.temperature, generator, enc, cache, draft_confidence, cfg.top_k,
-                          cfg.top_p, guide.draft_scale)
-        x, q, drafts, limit = fused if fused is not None else _draft_steps(
-            dec, x0, start, pos_t, gamma, trunk, enc, cache, cfg, generator, guide, draft_confidence)
+    if gamma:
+        x, q, drafts, limit = dec.backend.draft_phase(x0, pos_t, gamma, cfg, generator, enc, cache,
+                                                      confidence=draft_confidence, cond_scale=guide.draft_scale)
     t1 = clock.mark()
     # verify: the layers above the exit on all gamma + 1 positions at once
-    target_logits = guide.target(dec.target_logits(dec.run(x, start, upper, enc, cache)))
+    target_logits = guide.target(dec.backend.verify(x, start, upper, enc, cache))
     # accept: rows keep different numbers of drafts
     acc = _accept(target_logits, drafts, q, cfg, generator, limit)
     clock.add("draft", t0, t1)
@@ -188,48 +181,11 @@ def probe_cycle(dec: Decoder, x: Tensor, pos: Tensor, gamma: int, enc: Encoded, 
     """One greedy unguided cycle at `gamma` (0: one plain step) from pending input x (rows, 1, dim) at
     slots pos (rows,), committing nothing: the cache keeps its lengths and a second call overwrites the
     same slots. What `auto` times to measure what a cycle costs; returns its draft phase's seconds."""
-    trunk = range(dec.exit_layer) if gamma else range(0)
     stats, clock = DecodeStats(), PhaseClock(x.device)
-    _cycle(dec, x, pos, gamma, trunk, range(len(trunk), dec.depth), enc, cache, SamplingConfig(0.0), None,
+    _cycle(dec, x, pos, gamma, range(dec.exit_layer if gamma else 0, dec.depth), enc, cache, SamplingConfig(0.0), None,
            _Guidance(False, 1.0, 1.0), None, stats, clock)
     clock.into(stats)
     return stats.draft_time
-
-
-def _draft_steps(
-    dec: Decoder, x: Tensor, start: int | Tensor, pos_t: Tensor, gamma: int, trunk: range, enc, cache, cfg: SamplingConfig,
-    generator: torch.Generator | None, guide: _Guidance, draft_confidence: float | None,
-) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-    """The draft phase step by step (without the kernels; the reference `Decoder.draft` is tested
-    against): returns the exit states (rows, drafts + 1, dim), q (seqs, drafts, V) or None when greedy,
-    the drafts (seqs, drafts) and each sequence's proposed count (None: all)."""
-    exits, q, drafts = [], [], []
-    # the stopping rule runs on the host: one copy per step instead of ~7 small ops (a GPU's pace here);
-    # the step already waited for the device to know whether any row still drafts. A row drafts while
-    # its limit is gamma, as in the C++ draft (one stopping at the last draft ends the loop anyway).
-    limit = None if draft_confidence is None else [gamma] * len(pos_t)
-    for d in range(gamma):
-        h = dec.run(x, start + d, trunk, enc, cache)
-        exits.append(h)
-        draft_logits = guide.draft(dec.draft_logits(h[:, -1]))
-        if cfg.greedy:
-            token = draft_logits.argmax(dim=-1)
-        else:
-            q.append(probabilities(draft_logits, cfg))
-            token = draw(q[-1], generator)
-        drafts.append(token)
-        x = dec.embed(token[:, None], guide.on)
-        if limit is not None:
-            q_x = draft_logits.softmax(-1).amax(-1) if cfg.greedy else q[-1].gather(-1, token[:, None])[:, 0]
-            for r, prob in enumerate(q_x.tolist()):  # exact values against the float, as the C++ draft
-                if limit[r] == gamma and prob < draft_confidence:
-                    limit[r] = d + 1
-            if gamma not in limit:
-                break
-    exits.append(dec.run(x, start + len(drafts), trunk, enc, cache))
-    q_t = torch.stack(q, dim=1) if q else None
-    limit_t = None if limit is None else torch.tensor(limit, device=pos_t.device)
-    return torch.cat(exits, dim=1), q_t, torch.stack(drafts, dim=1), limit_t
 
 
 def _accept(

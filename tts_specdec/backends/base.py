@@ -1,0 +1,77 @@
+"""The backend interface: how a `Decoder`'s layers and heads are executed.
+
+The search loops call these verbs and never ask which backend they are on. Each backend is one file:
+`torch_eager.py` (torch's ops, any device and dtype; the reference), `kernels_cpu.py` (the C++ kernels
+of `csrc/`, float32 on x86 CPUs).
+`select` in `__init__.py` picks one per set of prepared weights.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..cache import KVCache
+    from ..decoder import Decoder, Encoded
+    from ..sampling import SamplingConfig
+
+
+class Backend:
+    """Runs `dec`'s decoder layers against a `KVCache`. Shapes: x (rows, n, dim) inputs; pos (seqs,)
+    each sequence's slot (guided: rows are (cond, null) pairs, one pair per sequence)."""
+
+    name = "base"
+    # plain_steps takes several steps per call (auto times those runs instead of one-step cycles)
+    fused_plain = False
+
+    def __init__(self, dec: Decoder) -> None:
+        self.dec = dec
+
+    def run_layers(
+        self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
+        attn_mask: Tensor | None = None, positions: Tensor | None = None, real: Tensor | None = None,
+    ) -> Tensor:
+        """`layers` on x placed at cache slots start..start+n-1 of each row; see `Decoder.run`."""
+        raise NotImplementedError
+
+    def _claim(self, n: int, start: int | Tensor, positions: Tensor | None, cache: KVCache) -> int:
+        """Before writing slots start..start+n-1: rotary tables that cover them (and `positions`), the
+        slots claimed in a cache by reference; returns one past the furthest slot."""
+        end = (start if isinstance(start, int) else int(start.max())) + n
+        rope_end = end if positions is None else max(end, int(positions.max()) + 1)
+        self.dec._rope_to(rope_end, cache)
+        cache.claim(start, n)
+        return end
+
+    def verify(self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache) -> Tensor:
+        """The target's pass over `layers` (the ones above the exit, or all) on x, causal by slot:
+        the target's logits (rows, n, V), guidance not mixed."""
+        return self.dec.target_logits(self.run_layers(x, start, layers, enc, cache))
+
+    def draft_phase(
+        self, x: Tensor, pos: Tensor, gamma: int, cfg: SamplingConfig, generator: torch.Generator | None,
+        enc: Encoded, cache: KVCache, *, confidence: float | None = None, cond_scale: float = 1.0,
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        """The draft phase of a speculative sampling cycle from each row's pending input x (rows, 1, dim).
+
+        Each draft token is the exit head's argmax (greedy) or drawn from its `cfg`-filtered
+        distribution with `sampling.draw` (guided: logits mixed with `cond_scale` by `sampling.cfg_mix`);
+        `confidence`: a sequence stops drafting after a token its draft gave less than this probability.
+        Returns the exit states of the pending input and the drafts (rows, steps + 1, dim), the draft
+        distributions (seqs, steps, V) (None when greedy), the drafts (seqs, steps) and each sequence's
+        proposed count (None without confidence)."""
+        raise NotImplementedError
+
+    def plain_steps(
+        self, x: Tensor, pos: Tensor, steps: int, cfg: SamplingConfig, generator: torch.Generator | None,
+        enc: Encoded, cache: KVCache, cond_scale: float = 1.0,
+    ) -> tuple[Tensor, Tensor]:
+        """1 to `steps` plain decoding steps (all layers, target head, pick) from each row's pending input
+        x (rows, 1, dim): each token the target's argmax (greedy) or drawn with `sampling.draw` from its
+        filtered distribution. A backend may stop after a step in which some sequence picked EOS, or run
+        past it (the caller discards what follows an EOS). Returns the tokens (seqs, steps taken) and the
+        next pending input (rows, 1, dim)."""
+        raise NotImplementedError

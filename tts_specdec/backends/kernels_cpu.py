@@ -1,0 +1,125 @@
+"""The C++ kernels (`kernels.py`, `csrc/`): float32 on x86 CPUs with AVX2, every product packed and
+heads in whole AVX2 vectors. A range of layers is one `kernels.Stack.run` call (each attention one
+kernel: rotary, cache write, attention, layout); a draft phase or a run of plain steps is one
+`kernels.decode_steps` call. Where a call does not fit (padded tree rows worth packing, a head whose
+products are not on the kernel) the torch path below it runs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from ..kernels import Packed
+from .torch_eager import TorchEager, additive
+
+if TYPE_CHECKING:
+    from ..cache import KVCache
+    from ..decoder import Decoder, Encoded
+    from ..sampling import SamplingConfig
+
+
+def fits(dec: Decoder) -> bool:
+    """Whether `dec`'s prepared weights run on the kernels: heads in whole AVX2 vectors, every product packed."""
+    return dec.dim_head % 8 == 0 and all(
+        isinstance(t, Packed) for w in dec._prepared for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in)
+    )
+
+
+class CpuKernels(TorchEager):
+    name = "kernels"
+    fused_plain = True
+
+    def __init__(self, dec: Decoder) -> None:
+        super().__init__(dec)
+        flat = [
+            t.panels if isinstance(t, Packed) else t
+            for w in dec._prepared
+            for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in, w.ff.b_in, w.ff.w_out, w.ff.b_out)
+        ]
+        self.stack = kernels.Stack(flat, dec.heads, dec.kv_heads, dec.dim_head)
+        self._target_kernel: kernels.Head | None = None  # the target head for `kernels.decode_steps`
+
+    def run_layers(
+        self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
+        attn_mask: Tensor | None = None, positions: Tensor | None = None, real: Tensor | None = None,
+    ) -> Tensor:
+        """The layers in one `kernels.Stack.run` call; padding positions are computed like real ones
+        (unless packing them pays: then torch's path)."""
+        rows, n, dim = x.shape
+        if real is not None and self._packs(rows, n, real):
+            return super().run_layers(x, start, layers, enc, cache, attn_mask, positions, real)
+        dec = self.dec
+        end = self._claim(n, start, positions, cache)
+        table = dec._slot_table
+        slots = table[start : start + n].expand(rows, n) if isinstance(start, int) else start[:, None] + table[:n]
+        pos = slots if positions is None else positions.expand(rows, n)
+        mask = None
+        if attn_mask is not None:  # a caller's mask (trees, beams); None: causal by slot
+            if attn_mask.dtype == torch.bool:
+                attn_mask = additive(attn_mask, x.dtype)
+            if attn_mask is not None:
+                mask = attn_mask.reshape(-1, n, attn_mask.shape[-1])  # (1 or rows, n, keys)
+                if mask.stride(-1) != 1:
+                    mask = mask.contiguous()
+        k_all, v_all = cache.buffers(end)
+        x = self.stack.run(x.reshape(rows * n, dim), layers, *dec._rope, pos, slots, k_all, v_all, cache.table, mask,
+                           end, enc.keys, enc.values, enc.cross_mask, enc.source)
+        for i in layers:
+            dec.layer_evals[i] += rows * n
+        return x.view(rows, n, dim)
+
+    def plain_steps(
+        self, x: Tensor, pos: Tensor, steps: int, cfg: SamplingConfig, generator: torch.Generator | None,
+        enc: Encoded, cache: KVCache, cond_scale: float = 1.0,
+    ) -> tuple[Tensor, Tensor]:
+        """Up to `steps` steps in one kernel call, each drawn as the step-by-step loop draws it (the same
+        filters, the same random numbers from `generator`), ending after a step in which some sequence
+        picked EOS."""
+        w = self.dec._target_weight()
+        if not isinstance(w, Packed):
+            return super().plain_steps(x, pos, steps, cfg, generator, enc, cache, cond_scale)
+        if self._target_kernel is None:
+            self._target_kernel = kernels.Head([], w)
+        out = self._steps(x, pos, range(self.dec.depth), self._target_kernel, steps, cfg, generator, enc, cache,
+                          cond_scale=cond_scale, eos=self.dec.eos_id)
+        return out[2], out[4][:, None]
+
+    def draft_phase(
+        self, x: Tensor, pos: Tensor, gamma: int, cfg: SamplingConfig, generator: torch.Generator | None,
+        enc: Encoded, cache: KVCache, *, confidence: float | None = None, cond_scale: float = 1.0,
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        """The whole draft phase in one kernel call (one exponential race per step, drawn from `generator`
+        as `sampling.draw` draws it), early draft stops, top-k/top-p and guidance included."""
+        head = self.dec._draft_head()
+        if head.kernel is None:
+            return super().draft_phase(x, pos, gamma, cfg, generator, enc, cache, confidence=confidence,
+                                       cond_scale=cond_scale)
+        exits, q, drafts, limit, _ = self._steps(
+            x, pos, range(self.dec.exit_layer), head.kernel, gamma, cfg, generator, enc, cache,
+            cond_scale=cond_scale, confidence=confidence, tail=True)
+        return exits, q, drafts, limit
+
+    def _steps(
+        self, x: Tensor, pos: Tensor, layers: range, head: kernels.Head, steps: int, cfg: SamplingConfig,
+        generator: torch.Generator | None, enc: Encoded, cache: KVCache, *, cond_scale: float,
+        confidence: float | None = None, eos: int | None = None, tail: bool = False,
+    ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor | None, Tensor]:
+        """`kernels.decode_steps` from each row's pending input x (rows, 1, dim) at pos (seqs,)."""
+        dec = self.dec
+        end = int(pos.max()) + steps + 1
+        dec._rope_to(end, cache)
+        if cache.table is not None:
+            raise ValueError("decode steps need a cache by value")
+        k_all, v_all = cache.buffers(end)
+        emb = dec.model.token_emb[dec.target_type].weight.detach()
+        out = kernels.decode_steps(
+            self.stack, head, emb, x[:, 0], layers, dec.per_row(pos, enc.guided), steps, cfg.temperature, generator,
+            *dec._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask, top_k=cfg.top_k, top_p=cfg.top_p,
+            guidance=cond_scale if enc.guided else 0.0, confidence=confidence, eos=eos, tail=tail, enc_rows=enc.source)
+        taken = out[2].shape[1] + int(tail)  # tokens through the layers, per row
+        for i in layers:
+            dec.layer_evals[i] += x.shape[0] * taken
+        return out
