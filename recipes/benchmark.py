@@ -16,8 +16,8 @@ accepted: the most any draft of this cost could give on this machine.
 --count-ops times nothing: it runs every mode --reps times on torch's path (the GPU's path: the CPU kernels
 off) and counts the torch ops dispatched per generated token. Where each op costs the host a launch of
 a few microseconds, as on a GPU at batch 1 with this small model, a decode runs at the pace of its ops,
-so the ratio of op counts is the speedup that such a machine can approach (the H100 run in the README
-reached 0.81-0.98 of it). A ceiling, not a measured speed.
+so the ratio of op counts is the speedup that such a machine can approach (docs/performance.md has the
+GPU figures). A ceiling, not a measured speed.
 """
 
 from __future__ import annotations

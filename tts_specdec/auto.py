@@ -48,8 +48,8 @@ PRIOR_WEIGHT = 4.0  # the prior counts as this many judged drafts
 # depends on more than it models (docs/performance.md, CPU: stops won at batch 1 on the shipped model and
 # its width-512 widening and lost at batch 4, where the rows' ragged drafts pad a compute-bound verify),
 # so on the CPU auto times both while it decodes (`SamplingPolicy`). On torch's path on a GPU the rule
-# needs a host copy per draft step and greedy decoding with stops lost to a fixed gamma on an H100: there
-# auto drafts a fixed gamma.
+# needs a host copy per draft step, and on a GPU greedy decoding with stops lost to a fixed gamma
+# (docs/performance.md): there auto drafts a fixed gamma.
 DRAFT_CONFIDENCE = 0.9
 # the timed choice between a fixed gamma and draft stops (`WayTimes`, kept across calls of one decoder
 # per batch size). A cycle's seconds per token swing with its acceptance (at batch 1 a fixed-gamma cycle

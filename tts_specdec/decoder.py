@@ -262,8 +262,8 @@ class Decoder:
         return w_t if split is None else split
 
     def begin(self, params: Sequence[torch.nn.Parameter] | None = None) -> None:
-        """Start a decode call. The prepared weights (transposed, packed, norms folded in: ~50 ms on
-        the reference model, 5% of a 200-token beam search) are rebuilt only when the model's
+        """Start a decode call. The prepared weights (transposed, packed, norms folded in: a cost worth
+        paying once, not per call) are rebuilt only when the model's
         parameters may have changed since the last call: another storage, an in-place update (version
         counter), other values (a fingerprint of their bytes, or their norms without the kernels: also
         catches writes through `.data`, which bypass the version counter), or another thread count or
@@ -279,8 +279,8 @@ class Decoder:
             self._state = state
 
     def _parameter_state(self, params: Sequence[torch.nn.Parameter]) -> tuple:
-        # the values: a fingerprint of every byte on the CPU kernels (~0.3 ms on the shipped model),
-        # else each tensor's norm (~1.2 ms there; misses value changes that keep the norm)
+        # the values: a fingerprint of every byte on the CPU kernels (cheaper than norms), else each
+        # tensor's norm (misses value changes that keep the norm)
         values = kernels.fingerprint(params) if params else []
         if values is None:
             with torch.no_grad():

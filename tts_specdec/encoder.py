@@ -1,9 +1,9 @@
 """The source transformer's forward on prepared weights.
 
 spear-tts's `Transformer` (non-causal, key-padding mask, rotary, RMSNorm, GEGLU) run through its
-modules costs ~3.5 ms per decode call on the shipped model for a one-sentence source (module calls,
-einops rearranges, the rotary module per layer), ~7% of decoding the sentence. The same arithmetic
-as a dozen tensor ops per layer, on the decoder's prepared-weight layouts, takes a fraction of that.
+modules spends most of a short source's encode on module calls, einops rearranges and the rotary
+module per layer, a visible share of decoding a sentence on a small model. The same arithmetic as a
+dozen tensor ops per layer, on the decoder's prepared-weight layouts, takes a fraction of that.
 Equal to `model.source_transformer(x, mask=mask)` up to float rounding (tests/test_encoder.py).
 """
 

@@ -1,18 +1,16 @@
 """Optional CPU kernels for decoding a few tokens at a time: products, attention, whole layers.
 
-A decode step multiplies 1-16 rows by every weight matrix. MKL runs such skinny products on one thread
-at a fraction of the memory bandwidth (measured on 2 cores, 4 rows x (256, 768): 50 us MKL, 19 us
-`Packed`, the weight in cache). `csrc/small_gemm.cpp` packs each matrix into 16-column panels and
-streams them once per call over torch's own threads. On a small model the rest of a layer is
-dispatch: torch's attention costs ~20 us per call at 1 query, and rotary, cache writes and layout
-copies add ~10 small kernels; `csrc/attention.cpp` does each attention in one call, and
+A decode step multiplies 1-16 rows by every weight matrix, and MKL runs such skinny products far below
+the memory bandwidth. `csrc/small_gemm.cpp` packs each matrix into 16-column panels and streams them
+once per call over torch's own threads, so a verify pass of a few tokens reads each weight once. On a
+small model the rest of a layer is dispatch (an attention call, rotary, cache writes and layout copies
+as separate small kernels): `csrc/attention.cpp` does each attention in one call, and
 `csrc/layers.cpp` (`Stack`) runs a range of layers without returning to Python, on weights checked once
-and one workspace per call (shipped model, 1 thread: a decoder layer for one token went from ~245 us to
-~21 us). `Head` is an output head in one call; `decode_steps` runs several decoding steps (layers, head,
-pick, next embedding) in one call: a speculative cycle's draft phase, or a run of plain sampling
-(~200 us of Python per step before); `csrc/accept.cpp` is the speculative accept rule for all rows of a
-cycle (~20 small torch ops, ~150 us, in one ~15 us call); `csrc/fingerprint.cpp` checks parameters for
-changes. The raw-pointer cores are declared in `csrc/kernels.h`.
+and one workspace per call. `Head` is an output head in one call; `decode_steps` runs several decoding
+steps (layers, head, pick, next embedding) in one call: a speculative cycle's draft phase, or a run of
+plain sampling; `csrc/accept.cpp` is the speculative accept rule for all rows of a cycle in one call;
+`csrc/fingerprint.cpp` checks parameters for changes. The raw-pointer cores are declared in
+`csrc/kernels.h`. What this buys on the shipped model and at realistic sizes: docs/performance.md.
 
 It is built with torch's C++ extension loader on first use (about 40 s with g++ and ninja, cached
 under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and used only for float32 on x86 CPUs with

@@ -78,8 +78,8 @@ def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row of probs (..., V) -> (...), exactly distributed as probs.
 
     Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) iid is token i with probability p_i
-    (the Gumbel-max trick without logarithms). Three small kernels; torch.multinomial costs ~100 us
-    per call on CPU, a visible share of a decoding step.
+    (the Gumbel-max trick without logarithms). Three small kernels, cheaper on CPU than
+    torch.multinomial, whose per-call cost is a visible share of a decoding step.
     """
     race = torch.empty_like(probs).exponential_(generator=generator)
     race.clamp_min_(torch.finfo(race.dtype).tiny)  # a zero draw would make 0/0 = NaN win argmax

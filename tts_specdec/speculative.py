@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .auto import SamplingPolicy
 
 
-# plain sampling steps per kernel call: the call's fixed cost (~20 us) spread over them; a run ends early
+# plain sampling steps per kernel call: the call's fixed cost spread over them; a run ends early
 # at EOS, so longer runs waste nothing
 PLAIN_STEPS = 32
 
@@ -55,7 +55,7 @@ class _Guidance:
 @dataclass
 class _Rows:
     """Active sequences. Bookkeeping is in Python lists: a decoding step has a handful of rows, and
-    every tensor op here costs a few microseconds of dispatch (the step's layers cost ~1 ms)."""
+    every tensor op here would cost more in dispatch than the Python list operation it replaces."""
 
     index: list[int]  # original row of each active sequence
     pos: list[int]  # committed positions = position of the pending input

@@ -75,7 +75,8 @@ MODES: dict[str, Mode] = {
     "plain": Mode("plain", "sample"),
     "spec": Mode("spec", "sample", gamma=4),
     "beam": Mode("beam", "beam_search"),
-    # gamma 1, W 8 is the fastest speculative beam setting measured on our CPU (about 0.5x our beam there)
+    # gamma 1, W 8: speculative beam search for comparison; it is slower than beam search wherever
+    # measured (docs/performance.md)
     "spec-beam": Mode("spec-beam", "beam_search", gamma=1, draft_width=8),
 }
 
