@@ -159,3 +159,16 @@ def layout(request, one_thread, monkeypatch):
     if request.param == "split":
         monkeypatch.setattr(weights, "_SPLIT_MIN_ELEMENTS", 0)
     return request.param
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); `make gpu-check` runs them")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

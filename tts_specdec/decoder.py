@@ -104,10 +104,15 @@ class _ExitHead:
 class Decoder:
     """Runs `model`'s decoder for `source_type` -> `target_type` one or several positions at a time."""
 
-    def __init__(self, model: TextToSemantic, source_type: str = "text", target_type: str = "speech") -> None:
+    def __init__(
+        self, model: TextToSemantic, source_type: str = "text", target_type: str = "speech", compile: bool | str = False,
+    ) -> None:
+        """compile: run on static compiled steps (`backends.static_compiled`): True (torch.compile's
+        inductor) or the name of a torch.compile backend."""
         if not isinstance(model, TextToSemantic):
             raise TypeError(f"model must be a spear_tts_pytorch.TextToSemantic, got {type(model).__name__}")
         self.model = model
+        self.compile = compile
         self.source_type = source_type
         self.target_type = target_type
         tt = model.target_transformer
@@ -207,6 +212,7 @@ class Decoder:
         return Decoder.per_row(pos, guided)
 
     def new_cache(self, rows: int, capacity: int, by_reference: bool = False) -> KVCache:
+        capacity = self.backend.capacity(capacity)
         self._ensure_rope(capacity)
         return KVCache(
             self.depth, rows, self.kv_heads, self.dim_head, capacity, dtype=self.dtype, device=self.device,

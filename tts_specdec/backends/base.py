@@ -2,7 +2,7 @@
 
 The search loops call these verbs and never ask which backend they are on. Each backend is one file:
 `torch_eager.py` (torch's ops, any device and dtype; the reference), `kernels_cpu.py` (the C++ kernels
-of `csrc/`, float32 on x86 CPUs).
+of `csrc/`, float32 on x86 CPUs), `static_compiled.py` (static shapes for `torch.compile` and CUDA graphs).
 `select` in `__init__.py` picks one per set of prepared weights.
 """
 
@@ -36,6 +36,11 @@ class Backend:
     ) -> Tensor:
         """`layers` on x placed at cache slots start..start+n-1 of each row; see `Decoder.run`."""
         raise NotImplementedError
+
+    @staticmethod
+    def capacity(n: int) -> int:
+        """The capacity a new cache for n positions gets (a backend of static shapes rounds it up)."""
+        return n
 
     def _claim(self, n: int, start: int | Tensor, positions: Tensor | None, cache: KVCache) -> int:
         """Before writing slots start..start+n-1: rotary tables that cover them (and `positions`), the

@@ -1,0 +1,198 @@
+"""compile=True: static-shape steps under torch.compile(fullgraph=True) decode what the default path decodes.
+
+On the CPU the graphs are compiled with the "aot_eager" backend (the same tracing, functionalization
+and graph capture as inductor, without generating code: seconds instead of minutes on two cores); one
+test runs inductor itself. The decoders are shared by the module's tests: each graph is compiled once. GPU-only tests carry the `cuda` marker and skip without CUDA.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tts_specdec import SpeculativeDecoder, speculative
+from tts_specdec.backends import StaticCompiled, TorchEager
+from tts_specdec.sampling import SamplingConfig, probabilities
+
+from conftest import make_model, make_source
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_LEN = 20
+BACKEND = "aot_eager"
+
+
+def assert_same_tokens(a, b):
+    assert [t.tolist() for t in a] == [t.tolist() for t in b]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """float64 models (the default path's arithmetic and the compiled one agree to ~1e-15: no token can
+    flip), an EOS reachable within MAX_LEN for some rows; one trained with guidance, with grouped kv heads."""
+    return {"plain": make_model(0, dtype=torch.float64),
+            "cfg": make_model(5, heads=4, kv_heads=1, cond_drop_prob=0.5, dtype=torch.float64)}
+
+
+@pytest.fixture(scope="module")
+def compiled(models):
+    """One compiled decoder per model for the whole module (graphs are compiled once per decoder)."""
+    return {name: SpeculativeDecoder(m, compile=BACKEND) for name, m in models.items()}
+
+
+@pytest.fixture(scope="module")
+def source():
+    return make_source(5, 7, seed=2, lengths=[7, 5, 7, 2, 6])  # ragged; rows end at EOS and at MAX_LEN
+
+
+@pytest.mark.parametrize("gamma", [0, 3], ids=["plain", "spec"])
+@pytest.mark.parametrize("name,cond_scale", [("plain", 1.0), ("cfg", 3.0)])
+def test_greedy_equals_default_path(models, compiled, source, name, cond_scale, gamma):
+    kwargs = dict(temperature=0.0, gamma=gamma, cond_scale=cond_scale, max_length=MAX_LEN)
+    ref = SpeculativeDecoder(models[name]).sample(source, **kwargs)
+    out = compiled[name].sample(source, **kwargs)
+    assert compiled[name].decoder.backend.name == "compiled"
+    lengths = [t.numel() for t in ref.tokens]
+    if name == "plain":
+        assert min(lengths) < MAX_LEN and max(lengths) == MAX_LEN, lengths  # EOS and max_length both met
+    assert_same_tokens(out.tokens, ref.tokens)
+    if gamma:
+        assert (out.stats.accepted, out.stats.drafted) == (ref.stats.accepted, ref.stats.drafted)
+
+
+def test_plain_sampling_draws_as_step_by_step(models, compiled, source, monkeypatch):
+    """With the termination check after every step, the compiled steps take exactly the step-by-step
+    loop's random numbers: the same tokens from the same seed (top-k, guidance)."""
+    monkeypatch.setattr(speculative, "PLAIN_STEPS", 1)
+    kwargs = dict(temperature=0.8, top_k=5, gamma=0, cond_scale=2.0, max_length=MAX_LEN)
+    ref = SpeculativeDecoder(models["cfg"]).sample(source, generator=torch.Generator().manual_seed(3), **kwargs)
+    out = compiled["cfg"].sample(source, generator=torch.Generator().manual_seed(3), **kwargs)
+    assert_same_tokens(out.tokens, ref.tokens)
+
+
+def test_seeded_sampling_repeats(compiled, source):
+    runs = [compiled["cfg"].sample(source, temperature=0.8, top_k=5, gamma=0, cond_scale=2.0, max_length=MAX_LEN,
+                                   generator=torch.Generator().manual_seed(9)).tokens for _ in range(2)]
+    assert_same_tokens(*runs)
+
+
+def test_sampling_keeps_its_law(models, compiled):
+    """Runs of N steps draw for every row at every step (rows past EOS too), so a seeded run's tokens
+    differ from the default path's; each token is still one exponential race on fresh noise over the
+    target's distribution. Checked on the first token's law (p known in closed form: one plain step) and
+    on speculative sampling's output, whose first token must follow the same law."""
+    model, dec = models["plain"], compiled["plain"]
+    source = make_source(1, 7, seed=0).expand(2000, -1)  # max_length 1: every row runs the one step
+    d = SpeculativeDecoder(model).decoder
+    d.begin()
+    with torch.no_grad():
+        enc = d.encode(source[:1])
+        cache = d.new_cache(1, 4)
+        logits = d.target_logits(d.run(d.start(1), 0, range(d.depth), enc, cache))[0, 0]
+    law = probabilities(logits, SamplingConfig(1.0))
+    for gamma in (0, 2):
+        out = dec.sample(source, temperature=1.0, gamma=gamma, max_length=1, generator=torch.Generator().manual_seed(0))
+        first = torch.stack([t[0] if t.numel() else torch.tensor(d.eos_id) for t in out.tokens])
+        freq = torch.bincount(first, minlength=law.numel()).double() / first.numel()
+        tv = 0.5 * float((freq[: law.numel()] - law).abs().sum())
+        assert tv < 0.06, (gamma, tv)  # 2000 draws over 13 tokens: the expected TV is ~0.03
+
+
+def test_top_k_one_is_greedy(models, compiled, source):
+    greedy = SpeculativeDecoder(models["plain"]).sample(source, temperature=0.0, gamma=0, max_length=MAX_LEN)
+    out = compiled["plain"].sample(source, temperature=1.0, top_k=1, gamma=3, max_length=MAX_LEN,
+                                   generator=torch.Generator().manual_seed(1))  # drafts, q and p all one-hot
+    assert_same_tokens(out.tokens, greedy.tokens)
+
+
+def test_beam_search_equals_default_path(models, compiled, source):
+    """Beam steps run on the torch path under compile=True: the same hypotheses."""
+    for gamma in (0, 2):
+        kwargs = dict(beam_size=3, gamma=gamma, max_length=12)
+        ref = SpeculativeDecoder(models["plain"]).beam_search(source[:3], **kwargs)
+        assert_same_tokens(compiled["plain"].beam_search(source[:3], **kwargs).tokens, ref.tokens)
+
+
+def test_no_graph_breaks_and_graphs_do_not_grow_with_length(models):
+    """fullgraph=True raises on any graph break; the graphs compiled for a short decode serve a decode
+    three times as long (capacity buckets, positions as tensors): none is added."""
+    dec = SpeculativeDecoder(models["plain"], compile=BACKEND)
+    source = make_source(1, 7, seed=5)
+    model_eos = dec.decoder.eos_id
+    dec.decoder.eos_id = None  # no EOS: every decode runs to max_length, batch 1 throughout
+    try:
+        counters.clear()
+        for gamma in (0, 3):
+            dec.sample(source, temperature=0.0, gamma=gamma, max_length=16)
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0 and not counters["graph_break"]
+        for gamma in (0, 3):
+            out = dec.sample(source, temperature=0.0, gamma=gamma, max_length=48)
+            assert out.tokens[0].numel() == 48
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert not counters["graph_break"]
+    finally:
+        dec.decoder.eos_id = model_eos
+
+
+def test_capacity_buckets():
+    assert [StaticCompiled.capacity(n) for n in (1, 64, 65, 200, 256, 257)] == [64, 64, 128, 256, 256, 512]
+    assert TorchEager.capacity(65) == 65
+
+
+def test_compile_argument_is_checked(models):
+    with pytest.raises(TypeError, match="compile"):
+        SpeculativeDecoder(models["plain"], compile=1)
+    assert SpeculativeDecoder(models["plain"]).decoder.backend.name in ("kernels", "torch")
+
+
+def test_shipped_model_speculative_greedy_equals_default_path():
+    """The shipped checkpoint in float32 (the default path: the C++ kernels): the same tokens, two ragged
+    rows, one ending at EOS."""
+    from tts_specdec.speech import load_default
+
+    model = load_default().model
+    texts = ["hello there, how are you?", "a short one"]
+    kwargs = dict(temperature=0.0, gamma=4, max_length=90)
+    ref = SpeculativeDecoder(model).sample(texts, **kwargs)
+    assert min(t.numel() for t in ref.tokens) < 90
+    assert_same_tokens(SpeculativeDecoder(model, compile=BACKEND).sample(texts, **kwargs).tokens, ref.tokens)
+
+
+def test_inductor_greedy_equals_default_path():
+    """The one inductor test (code generation takes a while on a CPU): float32, one plain graph."""
+    model = make_model(3, std=0.3)
+    source = make_source(1, 6, seed=1)
+    kwargs = dict(temperature=0.0, gamma=0, max_length=12)
+    ref = SpeculativeDecoder(model).sample(source, **kwargs)
+    assert_same_tokens(SpeculativeDecoder(model, compile=True).sample(source, **kwargs).tokens, ref.tokens)
+
+
+# ---- GPU (skipped without CUDA) ----------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gamma", [0, 4], ids=["plain", "spec"])
+def test_cuda_graphs_greedy_equal_default_path(gamma):
+    """inductor with mode="reduce-overhead" (CUDA graphs) on the GPU: the tokens of the default (eager)
+    path on the same GPU, the shipped model, batch 1 and a ragged batch of 3."""
+    from tts_specdec.speech import load_default
+
+    speech = load_default()
+    model = speech.model.cuda()
+    texts = ["the quick brown fox jumps over the lazy dog", "hello there", "a third, longer sentence to read aloud"]
+    kwargs = dict(temperature=0.0, gamma=gamma, max_length=200)
+    for batch in (texts[:1], texts):
+        ref = SpeculativeDecoder(model).sample(batch, **kwargs)
+        out = SpeculativeDecoder(model, compile=True).sample(batch, **kwargs)
+        assert_same_tokens(out.tokens, ref.tokens)
+
+
+@pytest.mark.cuda
+def test_cuda_seeded_sampling_is_reproducible():
+    from tts_specdec.speech import load_default
+
+    model = load_default().model.cuda()
+    dec = SpeculativeDecoder(model, compile=True)
+    runs = [dec.sample(["hello there"], temperature=1.0, gamma=0, max_length=100,
+                       generator=torch.Generator("cuda").manual_seed(7)).tokens for _ in range(2)]
+    assert_same_tokens(*runs)

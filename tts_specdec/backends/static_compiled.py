@@ -1,0 +1,321 @@
+"""Static-shape steps for `torch.compile` (`SpeculativeDecoder(model, compile=True)`): the path for GPUs,
+where a step is fast only as one captured graph (`mode="reduce-overhead"`: CUDA graphs).
+
+Inside a compiled step nothing depends on tensor values: the KV cache is the caller's preallocated
+`KVCache` (capacity in power-of-two buckets, so a long decode meets a handful of shapes), written with
+`index_copy_` at position tensors; attention reads every slot of the cache under a mask built on the
+device from those positions (slot <= the query's position); rotary tables are indexed by the same
+tensors; picks are argmax, or an exponential race on noise drawn outside the graph from the caller's
+generator (exactly the numbers `sampling.draw` would draw); no `.item()`, `.tolist()` or branch on a
+tensor value. The loops read results once per call: a run of plain steps (`plain_steps`, N steps per
+call: the caller discards what follows an EOS or max_length), a draft phase, a verify pass.
+
+Compiled here: plain steps (greedy and sampling, guidance, top-k/top-p), the draft phase without draft
+stops, and the verify pass. Everything else (beam steps, tree verification, draft stops, caches by
+reference) runs on the torch path this backend extends, with the same results.
+
+`compile`: True (inductor) or the name of a `torch.compile` backend ("eager", "aot_eager": tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..sampling import cfg_mix, filter_logits
+from ..weights import _t, _unit, rotate
+from .torch_eager import TorchEager
+
+if TYPE_CHECKING:
+    from ..cache import KVCache
+    from ..decoder import Decoder, Encoded
+    from ..sampling import SamplingConfig
+
+# each distinct (step kind, batch, capacity bucket, source length, sampling settings) is one graph;
+# dynamo's default of 8 per function would fall back to eager after a few calls with other settings
+RECOMPILE_LIMIT = 64
+MIN_CAPACITY = 64
+
+
+@dataclass(frozen=True)
+class _Layer:
+    qkv: Tensor  # (dim, (heads + 2 kv_heads) * d), the RMSNorm gain folded in
+    attn_out: Tensor  # (heads * d, dim)
+    cross_q: Tensor  # (dim, heads * d), norm folded in
+    cross_out: Tensor  # (heads * d, dim)
+    ff_in: Tensor  # (dim, 2 * inner), norm folded in
+    ff_in_b: Tensor
+    ff_out: Tensor  # (inner, dim)
+    ff_out_b: Tensor
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """The decoder's weights as plain tensors (no packed kernel weights: a graph can hold no C++ call)."""
+
+    layers: tuple[_Layer, ...]
+    target: Tensor  # (dim, V), final norm folded in
+    exit_ff: _Layer | None  # the exit head's Residual(FeedForward) (ff fields only)
+    exit_out: Tensor | None  # (dim, V), the exit head's RMSNorm folded in
+    emb: Tensor  # (V, dim) target token embeddings
+
+
+def _ff_of(ff: torch.nn.Sequential) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _t(ff[1].weight, ff[0]), ff[1].bias.detach(), _t(ff[4].weight), ff[4].bias.detach()
+
+
+def _weights_of(dec: Decoder) -> _Weights:
+    layers = tuple(
+        _Layer(_t(torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight)), sa.norm), _t(sa.to_out.weight),
+               _t(cross.to_q[0].weight, cross.norm), _t(cross.to_out.weight), *_ff_of(ff))
+        for sa, cross, ff in dec.layers
+    )
+    m = dec.model
+    target = _t(m.to_logits[dec.target_type].weight, m.target_transformer.final_norm)
+    exit_ff = exit_out = None
+    if dec.exit_layer is not None:
+        head = m.to_early_exit_semantic_logits
+        none = torch.empty(0)
+        exit_ff = _Layer(none, none, none, none, *_ff_of(head[0].fn))
+        exit_out = _t(head[2].weight, head[1])
+    return _Weights(layers, target, exit_ff, exit_out, m.token_emb[dec.target_type].weight.detach())
+
+
+# ---- the static step: pure functions of tensors (what torch.compile traces) -----------------------------
+
+
+def _ff_residual(w: _Layer, x: Tensor) -> Tensor:
+    """x + FeedForward(x) (RMSNorm, Linear, GEGLU, Linear) for x (tokens, dim)."""
+    h, gate = torch.addmm(w.ff_in_b, _unit(x), w.ff_in).chunk(2, dim=-1)
+    return torch.addmm(x + w.ff_out_b, F.gelu(gate) * h, w.ff_out)
+
+
+def _layers(
+    w: _Weights, layers: range, x: Tensor, pos: Tensor, k_all: Tensor, v_all: Tensor, enc_k: Tensor, enc_v: Tensor,
+    enc_mask: Tensor | None, cos_t: Tensor, sin_t: Tensor, heads: int,
+) -> Tensor:
+    """Decoder `layers` on x (rows, n, dim) at slots pos (rows, n), causal by slot; writes K/V into
+    k_all/v_all (layers, rows, kv_heads, capacity, d) by index_copy_; returns the hidden states."""
+    rows, n, dim = x.shape
+    kvh, cap, d = k_all.shape[2], k_all.shape[3], k_all.shape[4]
+    cos, sin = cos_t[pos], sin_t[pos]  # (rows, n, d)
+    slot = torch.arange(cap, device=x.device)
+    mask = torch.zeros(rows, 1, n, cap, dtype=x.dtype, device=x.device).masked_fill(
+        slot > pos[:, None, :, None], float("-inf"))
+    # flat index of (row, kv head, pos) in a layer's (rows * kv_heads * capacity, d) view
+    base = (torch.arange(rows, device=x.device)[:, None] * kvh + torch.arange(kvh, device=x.device)) * cap
+    where = (base[:, :, None] + pos[:, None, :]).reshape(-1)
+    x = x.reshape(rows * n, dim)
+    for i in layers:
+        lw = w.layers[i]
+        qkv = torch.mm(_unit(x), lw.qkv).view(rows, n, -1, d).transpose(1, 2)  # (rows, h + 2kvh, n, d)
+        qk = rotate(qkv[:, : heads + kvh], cos[:, None], sin[:, None])
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh :]
+        k_layer, v_layer = k_all[i], v_all[i]
+        k_layer.view(-1, d).index_copy_(0, where, k.reshape(-1, d))
+        v_layer.view(-1, d).index_copy_(0, where, v.reshape(-1, d))
+        keys, values = k_layer, v_layer
+        if kvh != heads:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
+            keys, values = keys.repeat(1, heads // kvh, 1, 1), values.repeat(1, heads // kvh, 1, 1)
+        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), lw.attn_out)
+        q = torch.mm(_unit(x), lw.cross_q).view(rows, n, heads, d).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, enc_k[i], enc_v[i], attn_mask=enc_mask)
+        x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), lw.cross_out)
+        x = _ff_residual(lw, x)
+    return x.view(rows, n, dim)
+
+
+def _pick(logits: Tensor, noise: Tensor | None, cfg: SamplingConfig, guided: bool, scale: float) -> tuple[Tensor, Tensor | None]:
+    """Mixed logits (guided) -> (token, distribution): argmax when greedy (no distribution), else the
+    exponential race of `sampling.draw` on `noise`."""
+    if guided:
+        logits = cfg_mix(logits, scale)
+    if noise is None:
+        return logits.argmax(dim=-1), None
+    probs = filter_logits(logits, cfg).softmax(dim=-1)
+    return (probs / noise).argmax(dim=-1), probs
+
+
+def _next_input(w: _Weights, token: Tensor, guided: bool) -> Tensor:
+    x = F.embedding(token[:, None], w.emb)
+    return x.repeat_interleave(2, dim=0) if guided else x
+
+
+def _plain_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, cfg, guided, scale):
+    """One plain step for every row: pos (rows,) -> (token (seqs,), next input, pos + 1)."""
+    h = _layers(w, range(len(w.layers)), x, pos[:, None], k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
+    token, _ = _pick(torch.mm(_unit(h[:, 0]), w.target), noise, cfg, guided, scale)
+    return token, _next_input(w, token, guided), pos + 1
+
+
+def _draft_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, exit_layer, cfg,
+                guided, scale):
+    """One draft step: layers below the exit and the exit head -> (exit state, token, q or None, next
+    input, pos + 1)."""
+    h = _layers(w, range(exit_layer), x, pos[:, None], k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
+    logits = torch.mm(_unit(_ff_residual(w.exit_ff, h[:, 0])), w.exit_out)
+    token, q = _pick(logits, noise, cfg, guided, scale)
+    return h, token, q, _next_input(w, token, guided), pos + 1
+
+
+def _run(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, first, stop, head):
+    """Layers first..stop-1 on x (rows, n, dim) at slots pos (rows, n); with `head`, the target logits
+    instead."""
+    h = _layers(w, range(first, stop), x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
+    if not head:
+        return h
+    return torch.mm(_unit(h.reshape(-1, h.shape[-1])), w.target).view(*h.shape[:2], -1)
+
+
+# ---- the backend ------------------------------------------------------------------------------------
+
+
+class StaticCompiled(TorchEager):
+    name = "compiled"
+    fused_plain = True
+
+    def __init__(self, dec: Decoder, compile_backend: str = "inductor") -> None:
+        super().__init__(dec)
+        self.compile_backend = compile_backend
+        self.w = _weights_of(dec)
+        self._graphs: dict[tuple, Callable] = {}
+        if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+            torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+
+    @staticmethod
+    def capacity(n: int) -> int:
+        """Cache capacities in power-of-two buckets (each capacity is a shape: a graph)."""
+        return max(MIN_CAPACITY, 1 << (n - 1).bit_length())
+
+    def _graph(self, fn: Callable, device: torch.device, **static) -> Callable:
+        """`fn` with its keyword-only arguments bound to `static`, compiled once per (fn, arguments)."""
+        key = (fn.__name__, device.type, tuple(sorted(static.items())))
+        graph = self._graphs.get(key)
+        if graph is None:
+            mode = "reduce-overhead" if device.type == "cuda" and self.compile_backend == "inductor" else None
+            # a code object of its own per key: dynamo's cache (and its recompile limit) is per code object
+            code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(self._graphs)}")
+            own = type(fn)(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+            own.__kwdefaults__ = dict(static)
+            compiled = torch.compile(own, fullgraph=True, backend=self.compile_backend, mode=mode)
+            graph = compiled if mode is None else partial(_replay, compiled)
+            self._graphs[key] = graph
+            if device.type == "cuda":  # weights at fixed addresses: the captured graph reads them in place
+                for t in _tensors(self.w):
+                    torch._dynamo.mark_static_address(t)
+        return graph
+
+    def _inputs(self, enc: Encoded, cache: KVCache, end: int) -> tuple:
+        """The cache, the source K/V and mask, and rotary tables cut to the cache's capacity (shapes from
+        the buckets only)."""
+        if cache.table is not None:
+            raise ValueError("static steps need a cache by value")
+        if end > cache.capacity:
+            raise ValueError(f"end {end} exceeds the cache capacity {cache.capacity}")
+        dec = self.dec
+        dec._rope_to(cache.capacity, cache)
+        k_all, v_all = cache.buffers(end)
+        if k_all.device.type == "cuda":
+            torch._dynamo.mark_static_address(k_all)
+            torch._dynamo.mark_static_address(v_all)
+        enc_k, enc_v = enc.dense()
+        cos_t, sin_t = dec._rope
+        return k_all, v_all, enc_k, enc_v, enc.mask, cos_t[: cache.capacity], sin_t[: cache.capacity]
+
+    def _noise(self, cfg: SamplingConfig, generator: torch.Generator | None, seqs: int, x: Tensor) -> Tensor | None:
+        """The exponential race's numbers for one step, drawn as `sampling.draw` draws them."""
+        if cfg.greedy:
+            return None
+        race = torch.empty(seqs, self.dec.vocab_size, dtype=x.dtype, device=x.device).exponential_(generator=generator)
+        return race.clamp_min_(torch.finfo(race.dtype).tiny)
+
+    def plain_steps(
+        self, x: Tensor, pos: Tensor, steps: int, cfg: SamplingConfig, generator: torch.Generator | None,
+        enc: Encoded, cache: KVCache, cond_scale: float = 1.0,
+    ) -> tuple[Tensor, Tensor]:
+        """`steps` steps for every row, one compiled graph each, nothing read back: the caller checks for
+        EOS once per call and discards what follows it."""
+        dec, guided = self.dec, enc.guided
+        inputs = self._inputs(enc, cache, int(pos.max()) + steps)
+        step = self._graph(_plain_step, x.device, heads=dec.heads, cfg=_key(cfg), guided=guided,
+                           scale=float(cond_scale) if guided else 1.0)
+        row_pos, x = dec.per_row(pos, guided), x.contiguous()  # inputs as every later step's: one graph
+        tokens = []
+        for _ in range(steps):
+            token, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, generator, pos.numel(), x), *inputs)
+            tokens.append(token)
+        for i in range(dec.depth):
+            dec.layer_evals[i] += x.shape[0] * steps
+        return torch.stack(tokens, dim=1), x
+
+    def draft_phase(
+        self, x: Tensor, pos: Tensor, gamma: int, cfg: SamplingConfig, generator: torch.Generator | None,
+        enc: Encoded, cache: KVCache, *, confidence: float | None = None, cond_scale: float = 1.0,
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+        """gamma compiled draft steps and the exit state of the last draft; draft stops (a host-side rule)
+        run on the torch path."""
+        if confidence is not None:
+            return super().draft_phase(x, pos, gamma, cfg, generator, enc, cache, confidence=confidence,
+                                       cond_scale=cond_scale)
+        dec, guided = self.dec, enc.guided
+        inputs = self._inputs(enc, cache, int(pos.max()) + gamma + 1)
+        static = dict(heads=dec.heads, guided=guided, scale=float(cond_scale) if guided else 1.0)
+        step = self._graph(_draft_step, x.device, exit_layer=dec.exit_layer, cfg=_key(cfg), **static)
+        row_pos, x = dec.per_row(pos, guided), x.contiguous()
+        exits, qs, drafts = [], [], []
+        for _ in range(gamma):
+            h, token, q, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, generator, pos.numel(), x), *inputs)
+            exits.append(h)
+            drafts.append(token)
+            if q is not None:
+                qs.append(q)
+        tail = self._graph(_run, x.device, heads=dec.heads, first=0, stop=dec.exit_layer, head=False)
+        exits.append(tail(self.w, x, row_pos[:, None], *inputs))
+        for i in range(dec.exit_layer):
+            dec.layer_evals[i] += x.shape[0] * (gamma + 1)
+        return torch.cat(exits, dim=1), torch.stack(qs, dim=1) if qs else None, torch.stack(drafts, dim=1), None
+
+    def verify(self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache) -> Tensor:
+        """`layers` and the target head on x (rows, n, dim) at slots start.. of each row, in one graph."""
+        rows, n = x.shape[:2]
+        if isinstance(start, int):
+            pos = torch.arange(start, start + n, device=x.device).expand(rows, n)
+            end = start + n
+        else:
+            pos = start[:, None] + torch.arange(n, device=x.device)
+            end = int(start.max()) + n
+        inputs = self._inputs(enc, cache, end)
+        graph = self._graph(_run, x.device, heads=self.dec.heads, first=layers.start, stop=layers.stop, head=True)
+        for i in layers:
+            self.dec.layer_evals[i] += rows * n
+        return graph(self.w, x.contiguous(), pos.contiguous(), *inputs)
+
+
+def _replay(graph: Callable, *args) -> tuple | Tensor:
+    """A CUDA graph's call: its outputs live in the graph's memory and the next replay overwrites them
+    (as gpt-fast does, what is kept or fed back is cloned)."""
+    torch.compiler.cudagraph_mark_step_begin()
+    out = graph(*args)
+    if isinstance(out, Tensor):
+        return out.clone()
+    return tuple(None if t is None else t.clone() for t in out)
+
+
+def _key(cfg: SamplingConfig) -> SamplingConfig:
+    """A SamplingConfig as a hashable static argument (greedy: nothing else matters)."""
+    from ..sampling import SamplingConfig
+
+    return SamplingConfig(0.0) if cfg.greedy else cfg
+
+
+def _tensors(w: _Weights) -> list[Tensor]:
+    out = [w.target, w.emb] + [t for t in (w.exit_out,) if t is not None]
+    for layer in w.layers + ((w.exit_ff,) if w.exit_ff is not None else ()):
+        out += [t for t in vars(layer).values() if t.numel()]
+    return out
