@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench env clean-env
+.PHONY: demo test bench gpu-check env clean-env
 
 demo: $(STAMP)
 	$(PY) recipes/synthesize.py
@@ -15,6 +15,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) recipes/benchmark.py
+
+# on a machine with a CUDA GPU: the CUDA tests, then the benchmark with and without compile on the
+# shipped model and on it widened to 1024 (docs/gpu.md, "make gpu-check"); writes benchmarks/gpu_<device>.json
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py
 
 env: $(STAMP)
 

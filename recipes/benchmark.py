@@ -12,6 +12,7 @@ accepted: the most any draft of this cost could give on this machine.
     python recipes/benchmark.py --json bench.json --reps 5 --threads 2
     python recipes/benchmark.py --model default --sentences 10 --count-ops   # torch ops per token instead
     python recipes/benchmark.py --model default --widen 512 8 --sentences 24 --families sample greedy
+    python recipes/benchmark.py --model default --device cuda --compile   # static steps, CUDA graphs
 
 --count-ops times nothing: it runs every mode --reps times on torch's path (the GPU's path: the CPU kernels
 off) and counts the torch ops dispatched per generated token. Where each op costs the host a launch of
@@ -124,7 +125,7 @@ HELD_OUT_TEXTS = (
 
 def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
     model, inputs = setup.model, list(zip(setup.sources, setup.max_lengths))
-    dec = SpeculativeDecoder(model)
+    dec = SpeculativeDecoder(model, compile=args.compile)
     gen = torch.Generator(device=setup.sources[0].device).manual_seed(args.seed)
     k, g = args.beam_size, args.gamma
     has_exit = dec.decoder.exit_layer is not None
@@ -406,7 +407,7 @@ def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
             row["vs_best_fixed"] = row["speedup"] / max(fixed + [1.0])
     return {"machine": machine_info(args.device), "setup": setup.description, "batch": int(setup.sources[0].shape[0]),
             "sentences": len(setup.sources), "max_length": max(setup.max_lengths), "reps": args.reps,
-            "gamma": args.gamma, "top_k": args.top_k or None, "top_p": args.top_p or None, "cond_scale": args.cond_scale,
+            "compile": args.compile, "gamma": args.gamma, "top_k": args.top_k or None, "top_p": args.top_p or None, "cond_scale": args.cond_scale,
             "cost_ratio_c": c, "plain_step_s": target_step, "plain_weight_read_GBps": weight_gbs,
             "beam_step_over_greedy_step": beam_step / target_step if beam_step and target_step else None,
             "rows": rows}
@@ -494,6 +495,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "without greedy the plain step, c and v are not measured)")
     p.add_argument("--count-ops", action="store_true",
                    help="count torch ops per token on torch's path instead of timing (see above)")
+    p.add_argument("--compile", nargs="?", const=True, default=False, metavar="BACKEND",
+                   help="our rows on static steps under torch.compile (SpeculativeDecoder(compile=...)): inductor, "
+                        "CUDA graphs on a GPU; or the named torch.compile backend. Compilation happens in the warm-up")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.reps < 1:
