@@ -104,12 +104,19 @@ def test_top_k_one_is_greedy(models, compiled, source):
     assert_same_tokens(out.tokens, greedy.tokens)
 
 
-def test_beam_search_equals_default_path(models, compiled, source):
-    """Beam steps run on the torch path under compile=True: the same hypotheses."""
+@pytest.mark.parametrize("name,cond_scale", [("plain", 1.0), ("cfg", 2.0)])
+def test_beam_search_equals_default_path(models, compiled, source, name, cond_scale):
+    """Plain beam search's layer step is a compiled verify pass over a cache by value (beams reorder K/V);
+    speculative beam search's tree passes run on the torch path: the same hypotheses either way."""
     for gamma in (0, 2):
-        kwargs = dict(beam_size=3, gamma=gamma, max_length=12)
-        ref = SpeculativeDecoder(models["plain"]).beam_search(source[:3], **kwargs)
-        assert_same_tokens(compiled["plain"].beam_search(source[:3], **kwargs).tokens, ref.tokens)
+        kwargs = dict(beam_size=3, gamma=gamma, max_length=12, cond_scale=cond_scale)
+        ref = SpeculativeDecoder(models[name]).beam_search(source, **kwargs)
+        graphs = counters["stats"]["unique_graphs"]
+        out = compiled[name].beam_search(source, **kwargs)
+        assert_same_tokens(out.tokens, ref.tokens)
+        assert out.scores == pytest.approx(ref.scores, rel=1e-12)
+        if gamma == 0 and name == "plain":
+            assert counters["stats"]["unique_graphs"] > graphs  # the beam step ran as a graph
 
 
 def test_no_graph_breaks_and_graphs_do_not_grow_with_length(models):

@@ -253,15 +253,16 @@ def beam_search_loop(
     batch, k = source.shape[0], beam_size
     guided = cond_scale > 1
     enc = encode_beams(dec, source, k, guided, source_mask)
-    # by reference: a beam step reorders slot tables, never K/V (every row writes slot t at step t)
-    cache = dec.new_cache(enc.rows, min(max_length, 256) + 1, by_reference=True)
+    # by reference: a beam step reorders slot tables, never K/V (every row writes slot t at step t),
+    # where the backend reads slot tables
+    cache = dec.new_cache(enc.rows, min(max_length, 256) + 1, by_reference=dec.backend.by_reference)
     state = BeamState.initial(batch, k, length_penalty, dec.eos_id, source.device, semantics)
     layers = range(dec.depth)
     x = dec.start(enc.rows)
     steps = 0
     for t in range(max_length):
         cache.grow(t + 1)
-        logits = dec.target_logits(dec.run(x, t, layers, enc, cache)[:, -1])
+        logits = dec.backend.verify(x, t, layers, enc, cache)[:, -1]
         out = beam_step(state, step_logprobs(logits, cond_scale, temperature), last=t + 1 == max_length)
         steps += 1
         if progress is not None:

@@ -26,6 +26,8 @@ class Backend:
     name = "base"
     # plain_steps takes several steps per call (auto times those runs instead of one-step cycles)
     fused_plain = False
+    # beam search may keep its cache by reference (`KVCache` slot tables), which run_layers reads
+    by_reference = True
 
     def __init__(self, dec: Decoder) -> None:
         self.dec = dec

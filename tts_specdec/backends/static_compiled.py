@@ -11,8 +11,9 @@ tensor value. The loops read results once per call: a run of plain steps (`plain
 call: the caller discards what follows an EOS or max_length), a draft phase, a verify pass.
 
 Compiled here: plain steps (greedy and sampling, guidance, top-k/top-p), the draft phase without draft
-stops, and the verify pass. Everything else (beam steps, tree verification, draft stops, caches by
-reference) runs on the torch path this backend extends, with the same results.
+stops, and the verify pass, which is also plain beam search's layer step (its beam bookkeeping stays on
+the host). Everything else (speculative beam search's tree passes, draft stops) runs on the torch path
+this backend extends, with the same results.
 
 `compile`: True (inductor) or the name of a `torch.compile` backend ("eager", "aot_eager": tests).
 """
@@ -179,6 +180,7 @@ def _run(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads
 class StaticCompiled(TorchEager):
     name = "compiled"
     fused_plain = True
+    by_reference = False  # a graph reads the cache by position: beam steps reorder K/V
 
     def __init__(self, dec: Decoder, compile_backend: str = "inductor") -> None:
         super().__init__(dec)
