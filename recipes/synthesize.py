@@ -30,7 +30,8 @@ from tts_specdec.speech import MODES, SpeechModel, load_default, load_speech_mod
 from tts_specdec.speech import batch, cli
 from tts_specdec.speech.audio import write_wav
 from tts_specdec.speech.longtext import MAX_PIECE_CHARS
-from tts_specdec.speech.pipeline import DEFAULT_COND_SCALE, MAX_COND_SCALE
+from tts_specdec.inputs import MAX_COND_SCALE
+from tts_specdec.speech.pipeline import DEFAULT_COND_SCALE
 from tts_specdec.speech.evaluation import run_mode, vocoder_ceiling
 from tts_specdec.speech.references import heldout_sentences, reference_wavs
 from tts_specdec.speech.report import markdown_table, spectrogram_figure

@@ -161,6 +161,15 @@ def test_rejects_what_it_cannot_honour(patched, source):
         patched.generate(source, **TTS, beam_search_decode=True, beam_semantics="other", max_length=4)
     with pytest.raises(ValueError, match="beam_size"):  # spear-tts: torch.topk's "selected index k out of range"
         patched.generate(source, **TTS, beam_search_decode=True, beam_size=14, max_length=4)
+    # spear-tts takes these and returns all-zero tokens (cond_scale overflows the mix) or overflows mid-search
+    fn = lambda logits: logits  # noqa: E731  (its own loop: the check comes first there too)
+    for kw in (dict(cond_scale=1e38), dict(cond_scale=1e38, filter_logits_fn=fn),
+               dict(cond_scale=1e38, beam_search_decode=True)):
+        with pytest.raises(ValueError, match=r"cond_scale must be in \[1, 100\]"):
+            patched.generate(source, **TTS, max_length=4, **kw)
+    with pytest.raises(ValueError, match=r"length_penalty must be in \[-10, 10\]"):
+        patched.generate(source, **TTS, beam_search_decode=True, beam_semantics="standard", length_penalty=1e300,
+                         max_length=4)
 
 
 def test_inputs_spear_tts_takes(patched):

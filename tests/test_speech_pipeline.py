@@ -38,6 +38,6 @@ def test_bad_input(speech):
     with pytest.raises(TypeError, match="texts"):
         synthesize(speech, "hello", "plain")
     for scale in (1e38, float("nan"), 0.5):
-        with pytest.raises(ValueError, match=r"cond_scale must be a number in \[1, 100\]"):
+        with pytest.raises(ValueError, match=r"cond_scale must be (finite|in \[1, 100\])"):
             synthesize(speech, ["hello"], "plain", cond_scale=scale)
     assert set(MODES) == {"plain", "spec", "beam", "spec-beam"}

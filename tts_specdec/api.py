@@ -12,7 +12,10 @@ from ._upstream import TextToSemantic
 from .auto import AUTO, Costs, CostModel, SamplingPolicy
 from .beam import SEMANTICS, BeamSemantics, beam_search_loop
 from .decoder import Decoder
-from .inputs import check_common, check_draft_cond_scale, check_float, check_gamma, check_int, eval_mode, prepare_source, walk
+from .inputs import (
+    check_common, check_draft_cond_scale, check_float, check_gamma, check_int, check_length_penalty, eval_mode,
+    prepare_source, walk,
+)
 from .results import Decoded, DecodeStats, most_used_gamma
 from .sampling import SamplingConfig
 from .speculative import sample_loop
@@ -170,7 +173,7 @@ class SpeculativeDecoder:
         """
         max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
         beam_size = check_int("beam_size", beam_size, 1)
-        length_penalty = check_float("length_penalty", length_penalty)
+        length_penalty = check_length_penalty(length_penalty)
         if beam_semantics not in SEMANTICS:
             raise ValueError(f"beam_semantics must be one of {SEMANTICS}, got {beam_semantics!r}")
         if beam_semantics == "upstream" and beam_size > self.decoder.vocab_size:

@@ -42,7 +42,7 @@ from torch import Tensor
 from ._upstream import TextToSemantic, _spear, quiet_progress
 from .api import SpeculativeDecoder
 from .beam import BeamSemantics
-from .inputs import prepare_source
+from .inputs import check_cond_scale, prepare_source
 
 _CACHE = "_tts_specdec_decoders"  # the model's own attribute: per direction, its SpeculativeDecoder
 
@@ -84,6 +84,7 @@ def generate(
             f"spec_decode_lenience must be 1.0, got {spec_decode_lenience}: speculative decoding here is exact "
             "(spear-tts's lenience accepts more drafts and changes the output distribution)"
         )
+    check_cond_scale("cond_scale", cond_scale)  # before any path, spear-tts's own loop included
     filter_fn = _spear.top_k if filter_logits_fn is None else filter_logits_fn
     kwargs = dict(filter_fn_kwargs or {})
     dec = _decoder(model, source_type, target_type)

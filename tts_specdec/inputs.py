@@ -80,20 +80,38 @@ def check_draft_cond_scale(value: object, cond_scale: float, gamma: int | None =
     where the caller drafts only then; gamma None: it always drafts)."""
     if value is None:
         return None
-    value = check_float("draft_cond_scale", value)
-    if value < 1:
-        raise ValueError(f"draft_cond_scale must be >= 1, got {value}")
+    value = check_cond_scale("draft_cond_scale", value)
     if cond_scale == 1 or gamma == 0:
         needs = "cond_scale > 1" if gamma is None else "gamma > 0 and cond_scale > 1"
         raise ValueError(f"draft_cond_scale needs {needs} (it guides the draft)")
     return value
 
 
+# Guidance mixes null + (cond - null) * cond_scale: past ~100 a logit gap of 1 is worth 100 nats and the
+# softmax is one-hot already, and near 1e37 the float32 mix overflows to inf (all-zero tokens, silently).
+MAX_COND_SCALE = 100.0
+# Beam scores are divided by length**length_penalty (Python floats): within +-10 that stays far inside
+# float64 for any length a cache can hold; 1e300 overflowed in the middle of a search.
+MAX_LENGTH_PENALTY = 10.0
+
+
+def check_cond_scale(name: str, value: object) -> float:
+    value = check_float(name, value)
+    if not 1 <= value <= MAX_COND_SCALE:
+        raise ValueError(f"{name} must be in [1, {MAX_COND_SCALE:g}], got {value}")
+    return value
+
+
+def check_length_penalty(value: object) -> float:
+    value = check_float("length_penalty", value)
+    if not -MAX_LENGTH_PENALTY <= value <= MAX_LENGTH_PENALTY:
+        raise ValueError(f"length_penalty must be in [{-MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], got {value}")
+    return value
+
+
 def check_common(model: TextToSemantic, *, max_length: object, cond_scale: object) -> tuple[int, float]:
     max_length = check_int("max_length", max_length, 1)
-    cond_scale = check_float("cond_scale", cond_scale)
-    if cond_scale < 1:
-        raise ValueError(f"cond_scale must be >= 1, got {cond_scale}")
+    cond_scale = check_cond_scale("cond_scale", cond_scale)
     if cond_scale > 1 and model.cond_drop_prob == 0:
         raise ValueError("cond_scale > 1 needs a model trained with cond_drop_prob > 0 (classifier-free guidance)")
     return max_length, cond_scale

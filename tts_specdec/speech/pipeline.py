@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from spear_tts_pytorch import TextToSemantic
 
+from ..inputs import check_cond_scale
 from .checkpoint import Checkpoint, load_checkpoint
 from .features import MelConfig
 from .longtext import MAX_PIECE_CHARS, join_audio, split_text
@@ -23,8 +24,6 @@ from .vocoder import CentroidVocoder
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # classifier-free guidance for the recipes: the shipped model was trained with condition dropout
 DEFAULT_COND_SCALE = 1.0
-# guidance far past this only sharpens toward the argmax, and near 1e38 overflows the logits to inf
-MAX_COND_SCALE = 100.0
 
 
 @dataclass
@@ -143,8 +142,7 @@ def synthesize(speech: SpeechModel, texts: list[str], mode: Mode | str = "spec-b
         mode = MODES[mode]
     if not isinstance(texts, list) or not texts:
         raise TypeError("texts must be a non-empty list of str")
-    if not (isinstance(cond_scale, (int, float)) and 1 <= cond_scale <= MAX_COND_SCALE):  # NaN fails too
-        raise ValueError(f"cond_scale must be a number in [1, {MAX_COND_SCALE:g}], got {cond_scale!r}")
+    check_cond_scale("cond_scale", cond_scale)
     for text in texts:
         speech.tokenizer.encode_one(text)  # the whole text's error (empty, unknown characters), not a piece's
     pieces = [split_text(text, max_chars) for text in texts]
