@@ -24,6 +24,40 @@ def test_builds_here():
     assert kernels.available("cpu", torch.float32)
 
 
+def test_build_lock_removes_what_a_killed_build_left(tmp_path):
+    """torch waits forever on a `lock` file left by a build that was killed: holding our flock proves
+    no live build of the folder owns it, so it is removed instead of waited on."""
+    (tmp_path / "lock").write_text("")
+    with kernels._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_build_lock_waits_for_a_live_build_then_gives_up(tmp_path, monkeypatch):
+    """A build in another live process keeps its lock file; past the wait the caller gets an error
+    (and `_load` falls back to torch's products), never a hang."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT);"
+         " fcntl.flock(fd, fcntl.LOCK_EX); (open(sys.argv[2], 'w').close()); print('held', flush=True);"
+         " time.sleep(60)", str(tmp_path / "tts_specdec.flock"), str(tmp_path / "lock")],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(kernels, "BUILD_WAIT_SECONDS", 0.5)
+        with pytest.raises(TimeoutError, match="another process"):
+            with kernels._build_lock(tmp_path):
+                pass
+        assert (tmp_path / "lock").exists()  # a live build's lock is left alone
+    finally:
+        holder.kill()
+        holder.wait()
+    with kernels._build_lock(tmp_path):  # its holder died: the flock is free and the lock file stale
+        assert not (tmp_path / "lock").exists()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 13])
 @pytest.mark.parametrize("shape", [(37, 16), (256, 768), (682, 256)])

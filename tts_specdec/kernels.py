@@ -13,7 +13,7 @@ plain sampling; `csrc/accept.cpp` is the speculative accept rule for all rows of
 `csrc/kernels.h`. What this buys on the shipped model and at realistic sizes: docs/performance.md.
 
 It is built with torch's C++ extension loader on first use (about 40 s with g++ and ninja, cached
-under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and used only for float32 on x86 CPUs with
+under ~/.cache/torch_extensions/py310_cpu/tts_specdec_<digest> or $TORCH_EXTENSIONS_DIR) and used only for float32 on x86 CPUs with
 AVX2. Anything else (no compiler, another device or dtype, `TTS_SPECDEC_KERNELS=0`) falls back to
 torch's products and attention, which give the same results up to float rounding; `available()`
 says which path runs.
@@ -21,16 +21,23 @@ says which path runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: torch's own lock file only
+    fcntl = None
 
 PANEL = 16
 # read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
@@ -40,6 +47,60 @@ _HEADER = Path(__file__).with_name("csrc") / "kernels.h"
 _module = None
 _failed: str | None = None
 log = logging.getLogger(__name__)
+
+
+BUILD_WAIT_SECONDS = 900.0
+
+
+def _build_directory(flags: list[str]) -> Path:
+    """A build folder of its own per source digest, flags and torch version, under torch's extension
+    root ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions): builds of other versions of this
+    package never share (or wait on) one folder."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    h = hashlib.sha1()
+    for part in [torch.__version__, *flags]:
+        h.update(part.encode())
+    for src in [*_SOURCES, _HEADER]:
+        h.update(src.read_bytes())
+    path = Path(root) / f"tts_specdec_{h.hexdigest()[:16]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an flock on the build folder while torch builds or loads there.
+
+    torch's loader guards a build with a plain `lock` file and waits for it to disappear, forever: a
+    build killed mid-way (a SIGKILLed job, a machine shut down) leaves it behind and every later first
+    use hangs. An flock is released by the kernel when its holder dies, so a `lock` file found while
+    holding ours belongs to no live build of this folder and is removed. Waiting for a live build
+    gives up after BUILD_WAIT_SECONDS (the caller falls back to torch's products)."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(build_dir / "tts_specdec.flock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + BUILD_WAIT_SECONDS
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building {build_dir} for {BUILD_WAIT_SECONDS:.0f} s")
+                time.sleep(0.2)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("tts_specdec: removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def _load():
@@ -67,7 +128,12 @@ def _load():
                 # epilogues' mul + add pairs, depending on inlining, so a row's product could differ in
                 # the last bit with the number of rows beside it (test_row_result_independent_of_batch)
                 flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DTTS_SPECDEC_HEADER={digest}"]
-                _module = load("tts_specdec_small_gemm", [str(p) for p in _SOURCES], extra_cflags=flags, verbose=False)
+                build_dir = _build_directory(flags)
+                with _build_lock(build_dir):
+                    _module = load(
+                        "tts_specdec_small_gemm", [str(p) for p in _SOURCES], extra_cflags=flags,
+                        build_directory=str(build_dir), verbose=False,
+                    )
         finally:
             ext_log.setLevel(level)
     except Exception as e:  # no compiler, no headers: torch's products do the work
