@@ -12,7 +12,7 @@ from tts_specdec import SpeculativeDecoder, generate, patch, unpatch
 from tts_specdec._upstream import TextToSemantic, _spear, quiet_progress
 from tts_specdec.generate import _filter
 
-from conftest import forward_logits, make_model, make_source
+from conftest import TEXT_VOCAB, forward_logits, make_model, make_source
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -191,6 +191,51 @@ def test_inputs_spear_tts_takes(patched):
         for args in (kw, beam):
             ref = upstream(patched, source, **args, **extra)
             assert torch.equal(patched.generate(source, **args, **extra), _spear.mask_after_eos(ref, eos, pad))
+
+
+def test_arguments_spear_tts_takes_as_it_takes_them(patched, source):
+    """A negative temperature (spear-tts: max(T, 1e-10), greedy), spec_decode_lenience without
+    spec_decode (spear-tts reads it only when decoding speculatively), and the source EOS id inside a
+    source (its embedding has a row for it): the same output as spear-tts, no error."""
+    eos, pad = patched.eos_id["speech"], patched.semantic_pad_id
+    kw = dict(TTS, max_length=MAX_LENGTH)
+    greedy = _spear.mask_after_eos(upstream(patched, source, **kw, temperature=0.0), eos, pad)
+    assert torch.equal(patched.generate(source, **kw, temperature=-1.0), greedy)
+    assert torch.equal(patched.generate(source, **kw, temperature=0.0, spec_decode_lenience=2.0), greedy)
+    with_eos = source.clone()
+    with_eos[0, 2] = patched.eos_id["text"]
+    assert patched.eos_id["text"] == TEXT_VOCAB  # the id is outside the vocabulary the tokenizer writes
+    for extra in ({}, dict(beam_search_decode=True, beam_size=2)):
+        ref = _spear.mask_after_eos(upstream(patched, with_eos, **kw, temperature=0.0, **extra), eos, pad)
+        assert torch.equal(patched.generate(with_eos, **kw, temperature=0.0, **extra), ref)
+        if not extra:  # speculative greedy returns greedy's tokens (spear-tts's own speculative path does not)
+            assert torch.equal(patched.generate(with_eos, **kw, temperature=0.0, spec_decode=True), ref)
+
+
+def test_progress_bar_where_spear_tts_draws_one(patched, source, monkeypatch):
+    """spear-tts's tqdm bar over max_length for plain sampling and beam search; progress=False: none."""
+    made = []
+
+    class Bar:
+        def __init__(self, total):
+            self.total, self.n, self.closed = total, 0, False
+            made.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(_spear, "tqdm", Bar)
+    kw = dict(TTS, max_length=MAX_LENGTH)
+    for extra in (dict(temperature=1.0), dict(beam_search_decode=True, beam_size=2)):
+        made.clear()
+        patched.generate(source, **kw, **extra)
+        assert len(made) == 1 and made[0].total == MAX_LENGTH and made[0].closed and 0 < made[0].n <= MAX_LENGTH
+        made.clear()
+        patched.generate(source, **kw, **extra, progress=False)
+        assert not made
 
 
 def test_patched_model_is_not_kept_alive():

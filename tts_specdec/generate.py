@@ -42,7 +42,7 @@ from torch import Tensor
 from ._upstream import TextToSemantic, _spear, quiet_progress
 from .api import SpeculativeDecoder
 from .beam import BeamSemantics
-from .inputs import check_cond_scale, prepare_source
+from .inputs import check_cond_scale, check_float, prepare_source
 
 _CACHE = "_tts_specdec_decoders"  # the model's own attribute: per direction, its SpeculativeDecoder
 
@@ -79,7 +79,10 @@ def generate(
     progress: a tqdm bar over max_length where spear-tts draws one (its plain sampling and beam loops,
     not spec_decode); False: none."""
     model = _unwrap(model)
-    if spec_decode_lenience != 1.0:
+    temperature = check_float("temperature", temperature)
+    if temperature < 0:  # spear-tts divides by max(temperature, 1e-10): greedy
+        temperature = 0.0
+    if spec_decode and spec_decode_lenience != 1.0:  # spear-tts reads it only when decoding speculatively
         raise ValueError(
             f"spec_decode_lenience must be 1.0, got {spec_decode_lenience}: speculative decoding here is exact "
             "(spear-tts's lenience accepts more drafts and changes the output distribution)"

@@ -18,8 +18,9 @@ def prepare_source(
 ) -> Tensor:
     """Strings or padded ids -> a checked LongTensor (batch, n) on the model's device.
 
-    strict: refuse empty texts, rows of padding only and padding before a token (right padding only);
-    spear-tts itself takes them (the drop-in `generate` passes strict=False)."""
+    strict: refuse empty texts, rows of padding only, padding before a token (right padding only) and
+    the source EOS id inside a source; spear-tts itself takes them (the drop-in `generate` passes
+    strict=False)."""
     if isinstance(source, str):
         raise TypeError("source must be a list of strings or a LongTensor (batch, n), not a single str")
     if isinstance(source, (list, tuple)):
@@ -44,6 +45,8 @@ def prepare_source(
     source = source.long().to(model.device)
     pad = model.pad_id[source_type]
     vocab = model.num_text_token_ids if source_type == "text" else model.num_semantic_token_ids
+    if not strict:  # spear-tts takes any id its embedding has a row for (its source EOS id included)
+        vocab = model.token_emb[source_type].num_embeddings
     real = source != pad
     bad = real & ((source < 0) | (source >= vocab))
     if bad.any():
