@@ -7,7 +7,7 @@ show alpha, the measured cost c of a draft step and v of a verify pass (both in 
 Leviathan et al.'s bound (v = 1), the bound at the measured v, and the bound at v with every draft
 accepted: the most any draft of this cost could give on this machine.
 
-    python recipes/benchmark.py                      # issue-2 reference model (random init), batch 1
+    python recipes/benchmark.py                      # random-init reference model (dim 256), batch 1
     python recipes/benchmark.py --model default      # the shipped checkpoint (trained exit head)
     python recipes/benchmark.py --json bench.json --reps 5 --threads 2
     python recipes/benchmark.py --model default --sentences 10 --count-ops   # torch ops per token instead
@@ -67,7 +67,7 @@ class Setup:
 
 
 def reference_model(seed: int, device: str, distill_steps: int) -> Setup:
-    """The model of issue 2 ("Why"): dim 256, source depth 4, target depth 8, 4 heads of 64,
+    """A random-init reference model: dim 256, source depth 4, target depth 8, 4 heads of 64,
     512 semantic ids, 60 text tokens in, 200 out, EOS disabled; exit head after layer 2, briefly
     distilled toward the model's own final head so speculative rows have a meaningful draft."""
     torch.manual_seed(seed)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 # Spinning OpenMP workers stall for seconds per op when another process shares the cores; passive
-# waiting keeps a step at ~1 s instead of 20 s on a busy 2-core machine. Must precede `import torch`.
+# waiting avoids that stall. Must precede `import torch`.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402

@@ -4,10 +4,13 @@ Every ```python block of a page runs, in page order, in one namespace per page (
 them into one session), from a temporary working directory so that files the examples write stay out
 of the checkout. A block is skipped only when the line before its fence is `<!-- fragment -->`: a
 snippet that shows a shape, not a program (few, and on purpose). Other languages (bash) are not run.
+Each page's number of runnable python blocks is fixed below (RUNNABLE), so a parser that stops finding
+blocks, or a python block labelled with another language, fails instead of passing with nothing run;
+a fence's language must be one of LANGUAGES.
 
-Links: every `[text](target)` outside code blocks that is not a URL must name an existing file or
-folder relative to the page, and a `#anchor` must match a heading of the page it points to (GitHub's
-rule: lowercase, punctuation dropped, spaces to hyphens).
+Links: every `[text](target)` or `[text](target "title")` outside code blocks that is not a URL must
+name an existing file or folder relative to the page, and a `#anchor` must match a heading of the page
+it points to (GitHub's rule: lowercase, punctuation dropped, spaces to hyphens).
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FRAGMENT = "<!-- fragment -->"
 MAX_FRAGMENTS = 4  # across all pages: a fragment is an example nobody checks
 README_MAX_LINES = 180
+# runnable (not fragment) python blocks per page; a page not named has none. Update with the pages.
+RUNNABLE = {"README.md": 2, "docs/design.md": 1, "docs/dropin.md": 2, "docs/scale-out.md": 2, "docs/speech.md": 1}
+# the languages a fence may name ("" = none); any other, e.g. `python3`, would silently not run
+LANGUAGES = {"python", "py", "bash", "sh", "console", "text", "json", ""}
 
-FENCE = re.compile(r"^(`{3,})(\S*)\s*$")
-LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(`{3,})\s*([^`\s]*)[^`]*$")  # the language is the info string's first word
+LINK = re.compile(r"""(?<!!)\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+(?:"[^"]*"|'[^']*'|\([^)]*\)))?\s*\)""")
 
 
 @dataclass
@@ -99,8 +106,11 @@ def test_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     """One torch thread (conftest): on busy shared cores spear-tts's many small ops, which dropin.md
     runs for comparison, stall for seconds each with two threads."""
     runnable = [b for b in python_blocks(page) if not b.fragment]
+    name = page.relative_to(ROOT).as_posix()
+    assert len(runnable) == RUNNABLE.get(name, 0), (
+        f"{name}: {len(runnable)} runnable python blocks, RUNNABLE says {RUNNABLE.get(name, 0)}")
     if not runnable:
-        pytest.skip(f"{page.name} has no runnable python block")
+        return
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__main__"}
     for block in runnable:
@@ -127,6 +137,19 @@ def test_links_resolve(page: Path) -> None:
     assert not bad, "broken links:\n" + "\n".join(bad)
 
 
+def test_runnable_blocks_found() -> None:
+    """Every page RUNNABLE names exists, and the examples checked are not vacuous."""
+    names = {p.relative_to(ROOT).as_posix() for p in PAGES}
+    assert set(RUNNABLE) <= names, f"RUNNABLE names missing pages: {set(RUNNABLE) - names}"
+    assert sum(RUNNABLE.values()) >= 8
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_fence_languages(page: Path) -> None:
+    bad = [f"{page.name}:{b.line}: ```{b.lang}" for b in blocks(page) if b.lang not in LANGUAGES]
+    assert not bad, f"code blocks in a language not in {sorted(LANGUAGES)}:\n" + "\n".join(bad)
+
+
 def test_fragments_are_few() -> None:
     fragments = [f"{b.page.name}:{b.line}" for p in PAGES for b in python_blocks(p) if b.fragment]
     assert len(fragments) <= MAX_FRAGMENTS, f"python blocks marked as fragments: {fragments}"
@@ -144,12 +167,14 @@ def test_block_parsing(tmp_path: Path) -> None:
     page.write_text(
         "# A title, with: punctuation\n\nSee [x](#a-title-with-punctuation).\n\n"
         "```python\nx = 1\n```\n\n<!-- fragment -->\n```python\nnot python\n```\n\n"
-        "```bash\n[y](nowhere.md)\n```\n",
+        "```bash\n[y](nowhere.md)\n```\n\n"
+        'A [titled](other.md "Title") link and an ![image](pic.png).\n\n'
+        "``` Python3 title=x\ny = 2\n```\n",
         encoding="utf-8",
     )
     found = blocks(page)
     assert [(b.lang, b.fragment, b.line) for b in found] == [("python", False, 5), ("python", True, 10),
-                                                              ("bash", False, 14)]
+                                                              ("bash", False, 14), ("python3", False, 20)]
     assert found[0].code == "x = 1\n"
     assert "a-title-with-punctuation" in anchors(page)
-    assert [t for _, line in prose(page) for t in LINK.findall(line)] == ["#a-title-with-punctuation"]
+    assert [t for _, line in prose(page) for t in LINK.findall(line)] == ["#a-title-with-punctuation", "other.md"]

@@ -33,8 +33,8 @@ def _t(weight: Tensor, norm: torch.nn.Module | None = None) -> Tensor:
 
 # Where the small-product kernel (kernels.py) does not run: MKL runs a product with a handful of rows
 # on one thread however many it may use; one bmm over column (or row) blocks of the weight spreads it
-# over the threads. Worth it for large matrices only (measured on 2 cores: -25% matmul time per beam
-# step at dim 256, a loss at dim 128; the (256, 256) attention products split too: +4% beam tok/s).
+# over the threads. Worth it for large matrices only: on small ones the extra blocks cost more than
+# the threads save (on 2 cores a gain at dim 256, a loss at dim 128). Threshold: a (256, 256) matrix.
 _SPLIT_MIN_ELEMENTS = 1 << 16
 
 
@@ -79,8 +79,8 @@ def _split(w_t: Tensor, blocks: int, dim: int) -> Tensor | None:
 
 # Blocks per GEGLU half when the feed-forward is split: the up-projection (the largest matrix) runs
 # as 2 * _FF_BLOCKS column blocks and the down-projection as the matching _FF_BLOCKS row blocks, so
-# the activation never leaves the blocked layout (measured on 2 cores, dim 256, 4 rows: 4 blocks per
-# half take 25% less time than 1).
+# the activation never leaves the blocked layout (4 blocks per half: the fastest setting measured on
+# 2 cores).
 _FF_BLOCKS = 4
 
 

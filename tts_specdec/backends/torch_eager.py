@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
 
 # Packing padded rows (`run_layers(..., real=)`) adds a handful of small kernels per layer and saves
-# the padding tokens' products: worth it only when those are real work (measured on 2 cores: the
-# verify pass of a speculative beam tree -31% at dim 256, -4% throughput lost at dim 128). Threshold on
-# padding tokens x one layer's weight elements.
+# the padding tokens' products: worth it only when those are real work (it pays on a speculative beam
+# tree's verify pass at dim 256 and loses at dim 128). Threshold on padding tokens x one layer's weight
+# elements.
 _PACK_MIN_WORK = 1 << 22
 
 

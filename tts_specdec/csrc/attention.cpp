@@ -1,8 +1,8 @@
 // Decode-time attention for a few query rows (float32, AVX2/FMA, CPU).
 //
-// A decoding step attends 1-16 queries per sequence over a few hundred keys. torch's
-// scaled_dot_product_attention costs ~20 us per call at that size, nearly all of it set-up; the rotary
-// embedding, the K/V cache writes and the layout copies around it add ~10 small kernels per layer.
+// A decoding step attends 1-16 queries per sequence over a few hundred keys. At that size torch's
+// scaled_dot_product_attention is mostly per-call set-up, and the rotary embedding, the K/V cache
+// writes and the layout copies around it are about ten more small kernels per layer.
 // `self_attention` does all of it in one call: rotate q and k, write k and v into the cache at each
 // token's slot, attend causally by slot (or under an additive mask), and return (tokens, heads * d).
 // `cross_attention` attends queries over precomputed source K/V. Each query is computed on its own

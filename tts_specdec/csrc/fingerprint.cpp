@@ -4,8 +4,8 @@
 // Per tensor, over its bytes read as 32-bit words w_0..w_{n-1} in 8 lanes (lane l: words 8j + l):
 // A = sum w_i and B = sum_l (2l + 1) * sum_j a_l(j), a_l(j) the lane's running sum after block j
 // (Fletcher's second sum), all mod 2^64. Any change of one word changes A; moving words between
-// blocks or lanes changes B. torch's per-tensor norms did this job at ~1.2 ms per call on the shipped
-// model (266 tensors, 3.7M floats); this reads the same bytes in ~0.3 ms.
+// blocks or lanes changes B. One pass over each tensor's bytes in one call, in place of torch's
+// per-tensor norms (several ops per tensor, every call).
 #include <torch/extension.h>
 #include <immintrin.h>
 
