@@ -79,7 +79,7 @@ def reference_model(seed: int, device: str, distill_steps: int) -> Setup:
     source = torch.randint(1, 256, (1, 60), generator=gen).to(device)
     if distill_steps:
         distill_exit_head(model, source_len=60, steps=distill_steps, seq_len=200, seed=seed)
-    return Setup(model, [source], [200], f"random-init reference model (issue 2), exit head distilled {distill_steps} steps")
+    return Setup(model, [source], [200], f"random-init reference model (dim 256), exit head distilled {distill_steps} steps")
 
 
 def default_model(

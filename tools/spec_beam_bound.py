@@ -1,0 +1,141 @@
+"""How fast speculative beam search could be on this machine: its layer passes, timed inside real
+decodes, against plain beam search, interleaved in one process.
+
+Speculative beam search returns exactly what beam search returns; it can only win by committing more
+beam steps per cycle (s, measured) than a cycle's passes cost in beam steps. This tool times every call
+of the backend's `run_layers` (the decoder layers, the kernels' work) during both searches on the same
+held-out sentences, and reports per cycle: the time in layer passes, the rest (heads, tree bookkeeping,
+replay, commit), and the speedup over beam search if everything but the layer passes cost nothing:
+
+    bound = s * (beam step, all its time) / (a cycle's layer passes)
+
+Where that bound is below a target, no bookkeeping work can reach the target with these passes; only
+cheaper passes (fewer rows, fewer trunk passes) or more committed steps (a better draft) could.
+
+    .venv/bin/python tools/spec_beam_bound.py --widen 512 8 --sentences 8 [--draft-width 4 8] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+from benchmark import default_model  # noqa: E402
+
+from tts_specdec import SpeculativeDecoder  # noqa: E402
+
+
+class PassTimer:
+    """Wraps a backend's `run_layers` and sums the seconds spent inside it, in all and per kind of pass
+    ("trunk": layers below the exit, "upper": the layers above it, "all"), with the tokens passed."""
+
+    def __init__(self, backend, exit_layer: int) -> None:
+        self.exit_layer = exit_layer
+        self.by_kind: dict[str, list[float]] = {}
+        inner = backend.run_layers
+
+        def timed(x, start, layers, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(x, start, layers, *args, **kwargs)
+            finally:
+                kind = ("trunk" if layers.stop <= exit_layer else "upper" if layers.start >= exit_layer else "all")
+                entry = self.by_kind.setdefault(kind, [0.0, 0, 0])
+                entry[0] += time.perf_counter() - t0
+                entry[1] += 1
+                entry[2] += x.shape[0] * x.shape[1]
+
+        backend.run_layers = timed
+
+    def take(self) -> dict[str, list[float]]:
+        out, self.by_kind = self.by_kind, {}
+        return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--widen", type=int, nargs="+", default=[512, 8], metavar="N", help="DIM HEADS [DEPTH]; 0: shipped size")
+    p.add_argument("--sentences", type=int, default=8)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--beam-size", type=int, default=4)
+    p.add_argument("--beam-gamma", type=int, default=1)
+    p.add_argument("--draft-width", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--target", type=float, default=1.15, help="the speedup the bound is compared with")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    widen = None if args.widen == [0] else args.widen
+    setup = default_model("cpu", sentences=args.sentences, widen=widen)
+    dec = SpeculativeDecoder(setup.model)
+    inputs = list(zip(setup.sources, setup.max_lengths))
+    k = args.beam_size
+
+    def run(gamma: int, width: int | None) -> dict:
+        kw = {} if gamma == 0 else {"draft_width": width}
+        start = time.perf_counter()
+        stats = [dec.beam_search(s, beam_size=k, gamma=gamma, max_length=n, **kw).stats for s, n in inputs]
+        wall = time.perf_counter() - start
+        kinds = timer.take()
+        cycles = sum(st.steps for st in stats)
+        committed = sum(sum(i * c for i, c in enumerate(st.committed_hist)) for st in stats) if gamma else cycles
+        out = {"wall_s": wall, "layer_s": sum(v[0] for v in kinds.values()), "cycles": cycles, "steps": committed,
+               "tokens": sum(st.generated_tokens for st in stats)}
+        for kind, (sec, calls, toks) in kinds.items():
+            out.update({f"{kind}_s": sec, f"{kind}_calls": calls, f"{kind}_tokens": toks})
+        return out
+
+    settings = [(0, None)] + [(args.beam_gamma, w) for w in args.draft_width]
+    dec.beam_search(inputs[0][0], beam_size=k, gamma=0, max_length=8)  # kernels, prepared weights, backend
+    timer = PassTimer(dec.decoder.backend, dec.decoder.exit_layer)
+    for s in settings:  # warm-up
+        run(*s)
+    results: dict = {s: [] for s in settings}
+    for _ in range(args.reps):  # interleaved repetitions
+        for s in settings:
+            results[s].append(run(*s))
+    med = {s: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for s, rs in results.items()}
+    plain = med[(0, None)]
+    beam_step = plain["wall_s"] / plain["steps"]
+    print(f"{setup.description}; {args.threads} threads, {args.reps} interleaved reps (medians)")
+    print(f"beam search (K={k}): {beam_step * 1e3:.2f} ms per step, of which layer passes "
+          f"{plain['layer_s'] / plain['steps'] * 1e3:.2f} ms")
+    rows = []
+    for g, w in settings[1:]:
+        m = med[(g, w)]
+        s = m["steps"] / m["cycles"]
+        cycle, layers = m["wall_s"] / m["cycles"], m["layer_s"] / m["cycles"]
+        row = {"gamma": g, "draft_width": w, "steps_per_cycle": s, "cycle_ms": cycle * 1e3,
+               "layer_passes_ms": layers * 1e3, "rest_ms": (cycle - layers) * 1e3,
+               "measured_speedup": plain["wall_s"] / m["wall_s"], "bound_if_rest_free": s * beam_step / layers}
+        rows.append(row)
+        verdict = "below" if row["bound_if_rest_free"] < args.target else "not below"
+        for kind in ("trunk", "upper"):
+            if f"{kind}_s" in m:
+                row[f"{kind}_ms_per_cycle"] = m[f"{kind}_s"] / m["cycles"] * 1e3
+                row[f"{kind}_tokens_per_pass"] = m[f"{kind}_tokens"] / m[f"{kind}_calls"]
+                row[f"{kind}_passes_per_cycle"] = m[f"{kind}_calls"] / m["cycles"]
+        print(f"  per cycle: trunk passes {row.get('trunk_ms_per_cycle', 0):.2f} ms ({row.get('trunk_passes_per_cycle', 0):.1f} "
+              f"passes of {row.get('trunk_tokens_per_pass', 0):.1f} tokens), verify {row.get('upper_ms_per_cycle', 0):.2f} ms "
+              f"({row.get('upper_tokens_per_pass', 0):.1f} token slots per pass)")
+        print(f"speculative beam gamma={g} W={w}: {s:.2f} steps per cycle; a cycle {cycle * 1e3:.2f} ms = layer passes "
+              f"{layers * 1e3:.2f} ms + rest {(cycle - layers) * 1e3:.2f} ms; measured {row['measured_speedup']:.2f}x beam "
+              f"search; bound with the rest free {row['bound_if_rest_free']:.2f}x ({verdict} the {args.target:g}x target)")
+    if args.json:
+        out = {"setup": setup.description, "threads": args.threads, "reps": args.reps, "beam_size": k,
+               "beam_step_ms": beam_step * 1e3, "beam_layer_ms_per_step": plain["layer_s"] / plain["steps"] * 1e3,
+               "rows": rows, "raw": {f"gamma={g},W={w}": r for (g, w), r in results.items()}}
+        tmp = args.json.with_suffix(args.json.suffix + ".partial")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(args.json)
+
+
+if __name__ == "__main__":
+    main()
