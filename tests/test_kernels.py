@@ -251,6 +251,39 @@ def test_cross_attention_matches_reference():
                 torch.testing.assert_close(out[r, :, j].double(), ref, rtol=2e-5, atol=2e-5)
 
 
+def test_attention_propagates_nan():
+    """A NaN key or query gives NaN, as float64 softmax does (none may pass for a masked key, whose
+    weight would be 0); -inf alone is masked; rows without NaN are untouched."""
+    _needs_kernel()
+    g = torch.Generator().manual_seed(2)
+    rows, n, h, S, d = 3, 2, 1, 9, 16
+    q = torch.randn(rows * n, h * d, generator=g)
+    keys, values = torch.randn(rows, h, S, d, generator=g), torch.randn(rows, h, S, d, generator=g)
+    keys[0, 0, 4, 3] = float("nan")  # row 0: one key, every query of the row sees it
+    q.view(rows, n, h, d)[1, 1, 0, 5] = float("nan")  # row 1: its second query
+    mask = torch.zeros(rows, S)
+    mask[2, 6:] = float("-inf")
+    out = kernels.cross_attention(q, keys, values, mask).view(rows, n, h, d)
+    assert out[0].isnan().all() and out[1, 1].isnan().all() and out[1, 0].isfinite().all()
+    for r, i in ((1, 0), (2, 0), (2, 1)):
+        ref = _attention_ref(q.view(rows, n, h, d)[r, i : i + 1, 0], keys[r, 0], values[r, 0], mask[r : r + 1])
+        torch.testing.assert_close(out[r, i, 0].double(), ref[0], rtol=2e-5, atol=2e-5)
+
+
+def test_filtered_probs_of_a_nan_row_are_nan():
+    """Logits with NaN or inf give NaN probabilities (torch's softmax does too) without sorting NaN for
+    top-p; the other rows are as before."""
+    _needs_kernel()
+    from tts_specdec.sampling import SamplingConfig, filter_logits
+
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(3))
+    logits[1, 7], logits[2, 0] = float("nan"), float("inf")
+    probs = kernels.filtered_probs(logits, 0.8, 10, 0.9)
+    assert probs[1:3].isnan().all()
+    ref = filter_logits(logits[[0, 3]], SamplingConfig(0.8, 10, 0.9)).softmax(-1)
+    torch.testing.assert_close(probs[[0, 3]], ref, rtol=1e-5, atol=1e-6)
+
+
 def test_attention_rejects_bad_arguments():
     _needs_kernel()
     heads = torch.randn(2, 3 * 16)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .decoder import Decoder, Encoded
+from .finite import NonFiniteLogits
 from .sampling import cfg_mix
 
 BeamSemantics = Literal["standard", "upstream"]
@@ -54,6 +55,7 @@ class BeamState:
     ended: Tensor | None = None
     stop_together: bool = True
     _tie: int = 0
+    _all_ended: bool | None = None  # upstream: `ended.all()` after the last step, read with its check
 
     @classmethod
     def initial(
@@ -99,7 +101,9 @@ class BeamState:
     def all_ended(self) -> bool:
         """upstream: every live beam of every active item holds an EOS (then they all do from now on:
         every later beam extends one of them)."""
-        return bool(self.ended.all())
+        if self._all_ended is None:
+            self._all_ended = bool(self.ended.all())
+        return self._all_ended
 
     def first_beam(self, i: int) -> tuple[Tensor, float]:
         """upstream: active item i's result if the search stopped now: its first beam, cut after its
@@ -135,6 +139,14 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     device = state.tokens.device
     # the K best as Python numbers: a few dozen values, cheaper to test here than with tensor ops
     best, flat = top_scores[:, :k].tolist(), top_index[:, :k].tolist()
+    if any(v != v for row in best for v in row):
+        # topk ranks NaN first: some beam's log-probs hold NaN (`step_logprobs`: its logits were not all
+        # finite). A live beam's is an error; a padding beam's (-inf score) is never read, but must not
+        # outrank real candidates
+        _raise_nonfinite(state, logprobs.view(a, k, vocab))
+        cand.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        top_scores, top_index = cand.topk(min(2 * k, k * vocab), dim=1)
+        best, flat = top_scores[:, :k].tolist(), top_index[:, :k].tolist()
     if all(math.isfinite(v) for row in best for v in row) and (
         state.eos_id is None or all(f % vocab != state.eos_id for row in flat for f in row)
     ):
@@ -173,6 +185,10 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
     top, top_tokens = logprobs.topk(k, dim=-1)  # (a * K, K): spear-tts's per-beam candidates, best first
     beams = 1 if state.length == 0 else k  # spear-tts starts from one beam, then keeps K
     top, top_tokens = top.view(a, k, k)[:, :beams], top_tokens.view(a, k, k)[:, :beams]
+    # every beam it keeps is read (an ended beam's later log-probs still add to its score): NaN log-probs
+    # (`step_logprobs`: logits not all finite), which topk ranks first, are an error (read back below)
+    bad = top[:, :, 0].isnan().any(dim=1)
+    step, items = state.length, state.items
     # float sums in the log-probs' dtype, as spear-tts adds them (scores hold those values exactly)
     cand = (state.scores[:, :beams].to(logprobs.dtype)[:, :, None] + top).flatten(1)
     order = cand.sort(dim=1, descending=True).indices[:, :k]  # (a, K) flat index beam * K + rank
@@ -184,6 +200,11 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
     state.ended = state.ended[parents]
     if state.eos_id is not None:
         state.ended |= tokens == state.eos_id
+    # one read-back: the items' checks and whether every beam ended (`all_ended`, here or in the caller)
+    read = torch.cat((bad, state.ended.all()[None])).tolist()
+    if any(read[:a]):
+        raise NonFiniteLogits(items[read.index(True)], step)
+    state._all_ended = read[-1]
     kept = torch.arange(a, device=device)
     if last or (state.stop_together and state.all_ended()):
         for i in range(a):
@@ -193,6 +214,14 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
         state.tokens, state.scores, state.ended = state.tokens[:0], state.scores[:0], state.ended[:0]
         return StepOutput(parents[:0], tokens[:0], kept)
     return StepOutput(parents, tokens, kept)
+
+
+def _raise_nonfinite(state: BeamState, logprobs: Tensor) -> None:
+    """`NonFiniteLogits` for the first item (in row order) with a live beam whose log-probs (active, K, V)
+    hold NaN (`step_logprobs` makes a row NaN where its logits were not all finite)."""
+    bad = (logprobs.isnan().any(dim=-1) & (state.scores > -math.inf)).any(dim=-1).tolist()
+    if any(bad):
+        raise NonFiniteLogits(state.items[bad.index(True)], state.length)
 
 
 def _walk(
@@ -285,7 +314,9 @@ def step_logprobs(logits: Tensor, cond_scale: float, temperature: float = 1.0) -
         logits = cfg_mix(logits, cond_scale)
     if temperature != 1.0:  # x / 1.0 == x: skipping it changes no value
         logits = logits / max(temperature, 1e-10)
-    return logits.log_softmax(dim=-1)
+    # + 0 where a row's logits are all finite, NaN where one is not (`beam_step` reports it): log_softmax
+    # alone makes NaN or +inf NaN at some entries only, and a -inf logit a plain log-prob of -inf
+    return logits.log_softmax(dim=-1).add_(logits.sum(dim=-1, keepdim=True).mul_(0))
 
 
 def encode_beams(dec: Decoder, source: Tensor, k: int, guided: bool, mask: Tensor | None = None) -> Encoded:

@@ -110,7 +110,8 @@ def speculative_accept(
     norm(max(p_d - q_d, 0)); if all are accepted draw the bonus token from p_gamma.
     limit: (rows,) drafts each row actually proposes (<= gamma; default all). A row's drafts past
     its limit are ignored and its bonus token is drawn from p at its limit, so every row is
-    Algorithm 1 with its own gamma.
+    Algorithm 1 with its own gamma. A negative draft (`finite.NONFINITE`: its q was not finite) is
+    rejected.
     On float32 CPU tensors with the kernels the rule runs in one call (`kernels.speculative_accept`)
     on the same random numbers; these torch ops are its reference (and the path everywhere else).
     """
@@ -122,10 +123,11 @@ def speculative_accept(
         # the same rule in one call on the same random numbers (u, then the race of `draw`)
         race = torch.empty(rows, p.shape[-1], device=p.device, dtype=p.dtype).exponential_(generator=generator)
         return Acceptance(*kernels.speculative_accept(p, q, drafts, u, race, limit))
-    px = p[:, :gamma].gather(-1, drafts[..., None])[..., 0]
-    qx = q.gather(-1, drafts[..., None])[..., 0]
+    tokens = drafts.clamp_min(0)[..., None]
+    px = p[:, :gamma].gather(-1, tokens)[..., 0]
+    qx = q.gather(-1, tokens)[..., 0]
     # u < p/q written without division; q(x) > 0 because x was drawn from q
-    keep = u * qx < px
+    keep = (u * qx < px) & (drafts >= 0)
     if limit is not None:
         proposed = torch.arange(gamma, device=p.device) < limit[:, None]
         keep &= proposed

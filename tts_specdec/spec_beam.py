@@ -28,6 +28,7 @@ from torch import Tensor
 from .beam import BeamSemantics, BeamState, beam_step, encode_beams, item_rows, step_logprobs
 from .cache import KVCache
 from .decoder import Decoder, Encoded
+from .finite import NonFiniteLogits
 from .results import DecodeStats
 from .timing import PhaseClock
 
@@ -270,7 +271,10 @@ def replay(
             advances.append(_Advance(0, None, None))
             continue
         while True:
-            out = beam_step(state, logprobs[nodes], last=state.length + 1 == max_length)
+            try:
+                out = beam_step(state, logprobs[nodes], last=state.length + 1 == max_length)
+            except NonFiniteLogits as e:  # the state holds one item: name its row in the batch
+                raise NonFiniteLogits(live.items[a], e.step, e.head) from None
             steps += 1
             if together is not None and together.record(live.items[a], state) or state.active == 0:
                 advances.append(_Advance(steps, None, None))

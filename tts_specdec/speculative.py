@@ -11,10 +11,13 @@ call (`Backend.draft_phase`), early draft stops, top-k/top-p and guidance includ
 (gamma = 0) runs up to PLAIN_STEPS steps per call (`Backend.plain_steps`), each drawn as the step-by-step
 loop draws it. With gamma="auto" (`auto.SamplingPolicy`) gamma and draft stops may change from cycle to
 cycle; every cycle is exact on its own, so the output law stays the target's.
+A step whose target logits, or whose draft distribution the accept rule read, were not all finite ends
+the decode with `finite.NonFiniteLogits` (found in what each cycle reads back anyway).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -23,6 +26,7 @@ from torch import Tensor
 
 from .cache import KVCache
 from .decoder import Decoder, Encoded
+from .finite import NONFINITE, NONFINITE_DRAFT, first_marked
 from .results import DecodeStats
 from .sampling import Acceptance, SamplingConfig, cfg_mix, draw, greedy_accept, probabilities, speculative_accept
 from .timing import PhaseClock
@@ -118,7 +122,8 @@ def sample_loop(
             if auto is not None:
                 auto.observe(accepted, proposed)
         # commit: each row's new tokens (a plain run, or accepted drafts and the correction/bonus token);
-        # a row ends at EOS or max_length
+        # a row ends at EOS or max_length. A step picked from non-finite logits is marked (`finite`).
+        first_marked(rows.index, new, [len(out[i]) for i in rows.index], dec.eos_id, max_length)
         keep = []
         for r, (i, tokens) in enumerate(zip(rows.index, new)):
             rows.pos[r] += len(tokens)
@@ -163,17 +168,33 @@ def _cycle(
     t1 = clock.mark()
     # verify: the layers above the exit on all gamma + 1 positions at once
     target_logits = guide.target(dec.backend.verify(x, start, upper, enc, cache))
-    # accept: rows keep different numbers of drafts
+    # accept: rows keep different numbers of drafts (a NONFINITE draft is rejected)
     acc = _accept(target_logits, drafts, q, cfg, generator, limit)
     clock.add("draft", t0, t1)
     clock.add("verify", t1, clock.mark())
-    accepted, next_token = acc.accepted.tolist(), acc.next_token.tolist()
+    # one read-back: accepted, next token, and each verified position's logit sum (in float64: NaN or
+    # +-inf exactly where a logit is; the counts are exact too)
+    sums = target_logits.sum(dim=-1, dtype=torch.float64)
+    read = torch.cat((acc.accepted[:, None].to(sums.dtype), acc.next_token[:, None].to(sums.dtype), sums), dim=1).tolist()
+    accepted = [int(r[0]) for r in read]
     drafted = drafts.tolist() if drafts is not None else [[] for _ in accepted]
     proposed = None  # drafts each row proposed this cycle
     if drafts is not None:
         proposed = limit.tolist() if limit is not None else [drafts.shape[1]] * len(accepted)
     _count(stats, accepted, proposed, len(drafted[0]), gamma)
-    new = [d[:k] + [t] for d, k, t in zip(drafted, accepted, next_token)]
+    new = []
+    for r, (d, k, row) in enumerate(zip(drafted, accepted, read)):
+        # the row's tokens come from p_0..p_k and q_0..q_k (q_k: the draft it stopped at, if proposed): the
+        # first of those that was not finite ends them with a marker (the loop raises unless an EOS
+        # before it ended the row); later positions were never read
+        p_sums = row[2 : k + 3]
+        bad = None if math.isfinite(sum(p_sums)) else next(j for j, v in enumerate(p_sums) if not math.isfinite(v))
+        if d and NONFINITE in d[: min(k + 1, proposed[r])]:
+            j = d.index(NONFINITE)
+            if bad is None or j < bad:
+                new.append(d[:j] + [NONFINITE_DRAFT])
+                continue
+        new.append(d[:k] + [int(row[1])] if bad is None else d[:bad] + [NONFINITE])
     return new, dec.embed(acc.next_token[:, None], guide.on), accepted, proposed
 
 

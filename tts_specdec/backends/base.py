@@ -68,8 +68,9 @@ class Backend:
         distribution with `sampling.draw` (guided: logits mixed with `cond_scale` by `sampling.cfg_mix`);
         `confidence`: a sequence stops drafting after a token its draft gave less than this probability.
         Returns the exit states of the pending input and the drafts (rows, steps + 1, dim), the draft
-        distributions (seqs, steps, V) (None when greedy), the drafts (seqs, steps) and each sequence's
-        proposed count (None without confidence)."""
+        distributions (seqs, steps, V) (None when greedy), the drafts (seqs, steps), `finite.NONFINITE` at
+        a draft picked from logits that were not all finite, and each sequence's proposed count (None
+        without confidence)."""
         raise NotImplementedError
 
     def plain_steps(
@@ -79,6 +80,7 @@ class Backend:
         """1 to `steps` plain decoding steps (all layers, target head, pick) from each row's pending input
         x (rows, 1, dim): each token the target's argmax (greedy) or drawn with `sampling.draw` from its
         filtered distribution. A backend may stop after a step in which some sequence picked EOS, or run
-        past it (the caller discards what follows an EOS). Returns the tokens (seqs, steps taken) and the
-        next pending input (rows, 1, dim)."""
+        past it (the caller discards what follows an EOS). Returns the tokens (seqs, steps taken),
+        `finite.NONFINITE` at a step whose logits were not all finite (the backend may stop after it), and
+        the next pending input (rows, 1, dim)."""
         raise NotImplementedError

@@ -6,8 +6,8 @@ Inside a compiled step nothing depends on tensor values: the KV cache is the cal
 `index_copy_` at position tensors; attention reads every slot of the cache under a mask built on the
 device from those positions (slot <= the query's position); rotary tables are indexed by the same
 tensors; picks are argmax, or an exponential race on noise drawn outside the graph from the caller's
-generator (exactly the numbers `sampling.draw` would draw); no `.item()`, `.tolist()` or branch on a
-tensor value. The loops read results once per call: a run of plain steps (`plain_steps`, N steps per
+generator (exactly the numbers `sampling.draw` would draw), marked inside the graph where the logits
+were not finite (`finite.py`: read with the tokens); no `.item()`, `.tolist()` or branch on a tensor value. The loops read results once per call: a run of plain steps (`plain_steps`, N steps per
 call: the caller discards what follows an EOS or max_length), a draft phase, a verify pass.
 
 Compiled here: plain steps (greedy and sampling, guidance, top-k/top-p), the draft phase without draft
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..sampling import cfg_mix, filter_logits
 from ..weights import _t, _unit, rotate
-from .torch_eager import TorchEager
+from .torch_eager import TorchEager, marked
 
 if TYPE_CHECKING:
     from ..cache import KVCache
@@ -132,15 +132,20 @@ def _layers(
     return x.view(rows, n, dim)
 
 
-def _pick(logits: Tensor, noise: Tensor | None, cfg: SamplingConfig, guided: bool, scale: float) -> tuple[Tensor, Tensor | None]:
-    """Mixed logits (guided) -> (token, distribution): argmax when greedy (no distribution), else the
-    exponential race of `sampling.draw` on `noise`."""
+def _pick(
+    logits: Tensor, noise: Tensor | None, cfg: SamplingConfig, guided: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Mixed logits (guided) -> (token, the token marked where the logits were not finite (`marked`),
+    distribution): argmax when greedy (no distribution), else the exponential race of `sampling.draw`
+    on `noise`."""
     if guided:
         logits = cfg_mix(logits, scale)
     if noise is None:
-        return logits.argmax(dim=-1), None
-    probs = filter_logits(logits, cfg).softmax(dim=-1)
-    return (probs / noise).argmax(dim=-1), probs
+        token, probs = logits.argmax(dim=-1), None
+    else:
+        probs = filter_logits(logits, cfg).softmax(dim=-1)
+        token = (probs / noise).argmax(dim=-1)
+    return token, marked(logits, token), probs
 
 
 def _next_input(w: _Weights, token: Tensor, guided: bool) -> Tensor:
@@ -149,20 +154,21 @@ def _next_input(w: _Weights, token: Tensor, guided: bool) -> Tensor:
 
 
 def _plain_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, cfg, guided, scale):
-    """One plain step for every row: pos (rows,) -> (token (seqs,), next input, pos + 1)."""
+    """One plain step for every row: pos (rows,) -> (token (seqs,) marked as `_pick` marks it, next input,
+    pos + 1)."""
     h = _layers(w, range(len(w.layers)), x, pos[:, None], k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
-    token, _ = _pick(torch.mm(_unit(h[:, 0]), w.target), noise, cfg, guided, scale)
-    return token, _next_input(w, token, guided), pos + 1
+    token, mark, _ = _pick(torch.mm(_unit(h[:, 0]), w.target), noise, cfg, guided, scale)
+    return mark, _next_input(w, token, guided), pos + 1
 
 
 def _draft_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, exit_layer, cfg,
                 guided, scale):
-    """One draft step: layers below the exit and the exit head -> (exit state, token, q or None, next
-    input, pos + 1)."""
+    """One draft step: layers below the exit and the exit head -> (exit state, token marked as `_pick`
+    marks it, q or None, next input, pos + 1)."""
     h = _layers(w, range(exit_layer), x, pos[:, None], k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
     logits = torch.mm(_unit(_ff_residual(w.exit_ff, h[:, 0])), w.exit_out)
-    token, q = _pick(logits, noise, cfg, guided, scale)
-    return h, token, q, _next_input(w, token, guided), pos + 1
+    token, mark, q = _pick(logits, noise, cfg, guided, scale)
+    return h, mark, q, _next_input(w, token, guided), pos + 1
 
 
 def _run(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, first, stop, head):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..finite import NONFINITE
 from ..sampling import cfg_mix, draw, probabilities
 from ..weights import _normed_mm, _residual, _unit, rotate
 from .base import Backend
@@ -25,6 +26,12 @@ if TYPE_CHECKING:
 # tree's verify pass at dim 256 and loses at dim 128). Threshold on padding tokens x one layer's weight
 # elements.
 _PACK_MIN_WORK = 1 << 22
+
+
+def marked(logits: Tensor, token: Tensor) -> Tensor:
+    """token (rows,) picked from logits (rows, V), NONFINITE where a row's logits are not all finite
+    (`finite.py`: the loop reads the marker with the tokens, no extra wait on the device)."""
+    return torch.where(torch.isfinite(logits).all(dim=-1), token, NONFINITE)
 
 
 def additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -162,7 +169,7 @@ class TorchEager(Backend):
             else:
                 q.append(probabilities(draft_logits, cfg))
                 token = draw(q[-1], generator)
-            drafts.append(token)
+            drafts.append(marked(draft_logits, token))
             x = dec.embed(token[:, None], enc.guided)
             if limit is not None:
                 q_x = draft_logits.softmax(-1).amax(-1) if cfg.greedy else q[-1].gather(-1, token[:, None])[:, 0]
@@ -187,4 +194,4 @@ class TorchEager(Backend):
             logits = cfg_mix(logits, cond_scale)
         p0 = logits[:, 0]
         token = p0.argmax(dim=-1) if cfg.greedy else draw(probabilities(p0, cfg), generator)
-        return token[:, None], dec.embed(token[:, None], enc.guided)
+        return marked(p0, token)[:, None], dec.embed(token[:, None], enc.guided)

@@ -9,10 +9,11 @@
 
 // p (rows, g + 1, V) target distributions, q (rows, g, V) draft distributions, drafts (rows, g) int64,
 // u (rows, g) uniforms, race (rows, V) Exp(1) draws, limit (rows,) int64 drafts each row proposes or
-// none (all g). Row r keeps drafts while u * q(x) < p(x) (up to its limit), then its next token is
-// argmax_i w_i / race_i with w = max(p_a - q_a, 0) after a rejection at a, or w = p at its limit (or
-// when p_a <= q_a everywhere): the exponential race draws i with probability w_i / sum(w), as
-// `sampling.draw` does with the normalised weights. Returns (accepted, next_token), int64 (rows,).
+// none (all g). Row r keeps drafts while u * q(x) < p(x) (up to its limit; a draft < 0, one picked from
+// logits that were not finite, is rejected), then its next token is argmax_i w_i / race_i with
+// w = max(p_a - q_a, 0) after a rejection at a, or w = p at its limit (or when p_a <= q_a everywhere):
+// the exponential race draws i with probability w_i / sum(w), as `sampling.draw` does with the
+// normalised weights. Returns (accepted, next_token), int64 (rows,).
 std::vector<torch::Tensor> speculative_accept(const torch::Tensor& p, const torch::Tensor& q, const torch::Tensor& drafts,
                                               const torch::Tensor& u, const torch::Tensor& race,
                                               const c10::optional<torch::Tensor>& limit) {
@@ -48,7 +49,8 @@ std::vector<torch::Tensor> speculative_accept(const torch::Tensor& p, const torc
     int64_t a = 0;
     for (; a < proposed; ++a) {
       const int64_t x = dp[r * g + a];
-      TORCH_CHECK(0 <= x && x < V, "draft token out of range");
+      TORCH_CHECK(x < V, "draft token out of range");
+      if (x < 0) break;  // finite.NONFINITE: a draft picked from logits that were not finite is rejected
       if (!(up[r * g + a] * qp[(r * g + a) * V + x] < pp[(r * (g + 1) + a) * V + x])) break;
     }
     const float* pa = pp + (r * (g + 1) + a) * V;

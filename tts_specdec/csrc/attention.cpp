@@ -31,10 +31,12 @@ inline float hsum(__m256 v) {
 }
 
 // exp(x) for x <= 0 (scores minus their maximum), Cephes' range reduction and polynomial (~1 ulp);
-// below -87 (weights under 1e-38 of the largest) the result is 0, so -inf (masked) gives 0.
+// below -87 (weights under 1e-38 of the largest) the result is 0, so -inf (masked) gives 0. NaN stays
+// NaN, as in torch's softmax (a NaN key or query must not pass for a masked one).
 inline __m256 exp_nonpositive(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.0f);
   const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  const __m256 nan = _mm256_and_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q), x);  // x where x is NaN, else 0 bits
   x = _mm256_max_ps(x, lo);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -48,7 +50,7 @@ inline __m256 exp_nonpositive(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+  return _mm256_or_ps(_mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep), nan);
 }
 
 }  // namespace
@@ -150,7 +152,8 @@ void attend(const float* q, const Rows& K, const Rows& V, int64_t keys, int64_t 
   float m = -std::numeric_limits<float>::infinity();
   for (j = 0; j < keys; ++j) {
     if (mask) buf[j] += mask[j];
-    m = std::max(m, buf[j]);
+    // the maximum, NaN once a score is NaN (std::max would skip it): then every weight is NaN, as in torch
+    if (buf[j] > m || buf[j] != buf[j]) m = m != m ? m : buf[j];
   }
   const int64_t padded = (keys + 7) / 8 * 8;
   if (m == -std::numeric_limits<float>::infinity()) {  // every key masked: zeros, not NaN

@@ -218,13 +218,27 @@ class Head {
   int64_t width_, dim_ = 0, inner_ = 0;
 };
 
+// Whether l[0:V] are all finite: their sum in double is NaN or +-inf iff one is (float values cannot
+// overflow a double sum), one pass of adds instead of a test per value.
+bool finite_row(const float* l, int64_t V) {
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) total += l[i];
+  return std::isfinite(total);
+}
+
 // q[0:V] = softmax of the logits l / t after `sampling.filter_logits`' filters: top_k > 0 masks the
 // logits below the top_k-th largest (the same float threshold as torch.topk's; ties stay); 0 < top_p
 // < 1 then masks every token whose better-ranked tokens already hold more than top_p of the mass (that
 // mass summed in double: a token within ~1e-7 of the edge may fall the other way than in torch's
 // float32 cumsum; q stays the distribution that is drawn from). Scratch vectors are reused by callers.
+// Logits that are not all finite give q = NaN, as torch's softmax does (and the sort below never sees
+// a NaN: std::sort needs a strict weak order).
 void filtered_softmax(const float* l, int64_t V, float t, int64_t top_k, double top_p, float* q,
                       std::vector<float>& kth_buf, std::vector<int64_t>& order) {
+  if (!finite_row(l, V)) {
+    std::fill(q, q + V, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
   for (int64_t i = 0; i < V; ++i) q[i] = t == 1.0f ? l[i] : l[i] / t;  // as filter_logits divides them
   if (top_k > 0 && top_k < V) {
     kth_buf.assign(q, q + V);
@@ -286,7 +300,9 @@ torch::Tensor filtered_probs(const torch::Tensor& logits, double temperature, in
 // null + (cond - null) * guidance, before the pick; the sequence's token feeds both rows. Returns the
 // layers' outputs (rows, steps + 1, dim) (empty without tail), q (seqs, steps, V) (empty when greedy),
 // the tokens (seqs, steps), each sequence's proposed count (seqs,) (empty without confidence) and the
-// next input (rows, dim), the embedding of the last token; steps <= gamma.
+// next input (rows, dim), the embedding of the last token; steps <= gamma. A sequence whose (mixed) logits
+// are not all finite gets token -1 (`finite.NONFINITE`) and q = NaN at that step, and token 0's
+// embedding as its next input; a run of plain steps ends after that step.
 std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                         int64_t last, const torch::Tensor& start, int64_t gamma, double temperature,
                                         int64_t top_k, double top_p, double guidance, double confidence, int64_t eos, bool tail,
@@ -342,7 +358,11 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
       }
       int64_t best = 0;
       float chosen = 1.0f;  // the head's probability of its token, for the early stop
-      if (!sampling) {
+      const bool finite = finite_row(l, V);
+      if (!finite) {  // no pick: marked, and the row keeps drafting as torch's NaN comparisons let it
+        if (sampling) std::fill_n(q.data_ptr<float>() + (r * gamma + d) * V, V, std::numeric_limits<float>::quiet_NaN());
+        ended |= !tail;
+      } else if (!sampling) {
         for (int64_t i = 1; i < V; ++i)
           if (l[i] > l[best]) best = i;
         if (confidence > 0) {  // softmax maximum = 1 / sum_i exp(l_i - max)
@@ -365,8 +385,8 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
         limits[r] = d + 1;  // this row proposes tokens 0..d
         --drafting;
       }
-      ended |= best == eos;
-      tokens.data_ptr<int64_t>()[r * gamma + d] = best;
+      ended |= finite && best == eos;
+      tokens.data_ptr<int64_t>()[r * gamma + d] = finite ? best : -1;
       for (int64_t k = r * per; k < (r + 1) * per; ++k)
         std::copy(emb.data_ptr<float>() + best * dim, emb.data_ptr<float>() + (best + 1) * dim, x.data_ptr<float>() + k * dim);
     }
