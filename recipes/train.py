@@ -10,6 +10,8 @@ Deterministic for a given --seed (2 CPU threads); each stage is cached in the ru
 safetensors and JSON only: nothing in --run is unpickled. `--kmeans FILE` takes an external k-means
 model in audiolm's joblib format instead of fitting one; joblib is pickle, which runs code when read,
 so it is read only because you name it: pass only a file you trust.
+User errors (missing files, a folder that cannot be written, bad numbers) print one line and exit with
+status 2.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from tts_specdec.speech import cli
 from tts_specdec.speech.checkpoint import FILES, Checkpoint, load_checkpoint, save_checkpoint
+from tts_specdec.speech.corpus import METADATA
 from tts_specdec.speech.dataset import PairedData, corpus_frames, extract_pairs, load_pairs, save_pairs
 from tts_specdec.speech.model import ModelConfig, build_model
 from tts_specdec.speech.tokenizer import CharTokenizer
@@ -54,7 +58,11 @@ def units_of_run(args) -> MelKMeans:
     DIR/units.safetensors, fitted on the corpus the first time. A DIR/kmeans.joblib of an older run is
     never read (a file planted there would run code)."""
     if args.kmeans is not None:
-        extractor = MelKMeans.from_joblib(args.kmeans)
+        try:
+            extractor = MelKMeans.from_joblib(args.kmeans)
+        except Exception as error:  # noqa: BLE001 - whatever unpickling a wrong file raises: the user's file
+            raise ValueError(f"--kmeans: {args.kmeans} is not a k-means model in audiolm's joblib format "
+                             f"({type(error).__name__}: {error})") from None
         save_centroids(extractor.centroids, args.run / "units.safetensors")
         return extractor
     path = args.run / "units.safetensors"
@@ -66,50 +74,80 @@ def units_of_run(args) -> MelKMeans:
     return MelKMeans(load_centroids(path))
 
 
+def corpus_split(corpus: Path, split: str) -> Path:
+    """corpus/split, which must hold a metadata file (checked before any work that reads it)."""
+    root = corpus / split
+    if not (root / METADATA).is_file():
+        raise FileNotFoundError(f"--corpus: no {root / METADATA} (recipes/make_corpus.py makes a corpus)")
+    return root
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    count, positive = cli.int_at_least(0), cli.int_at_least(1)
     parser.add_argument("--corpus", type=Path, default=Path("data/corpus"))
     parser.add_argument("--run", type=Path, default=Path("runs/default"))
     parser.add_argument("--kmeans", type=Path, help="an external k-means model in audiolm's joblib format "
                         "(pickle: read because you name it; only a file you trust)")
-    parser.add_argument("--n-units", type=int, default=128)
-    parser.add_argument("--kmeans-utterances", type=int, default=1500)
-    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
-    parser.add_argument("--distill-steps", type=int, default=TrainConfig.distill_steps)
-    parser.add_argument("--max-frames", type=int, default=TrainConfig.max_frames)
-    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
-    parser.add_argument("--dim", type=int, default=ModelConfig.dim)
-    parser.add_argument("--target-depth", type=int, default=ModelConfig.target_depth)
-    parser.add_argument("--source-depth", type=int, default=ModelConfig.source_depth)
-    parser.add_argument("--early-exit-layer", type=int, default=ModelConfig.target_early_exit_layer)
-    parser.add_argument("--ff-mult", type=int, default=ModelConfig.ff_mult)
-    parser.add_argument("--warmup", type=int, default=TrainConfig.warmup)
+    parser.add_argument("--n-units", type=cli.int_at_least(2), default=128)
+    parser.add_argument("--kmeans-utterances", type=positive, default=1500)
+    parser.add_argument("--steps", type=count, default=TrainConfig.steps)
+    parser.add_argument("--distill-steps", type=count, default=TrainConfig.distill_steps)
+    parser.add_argument("--max-frames", type=positive, default=TrainConfig.max_frames)
+    parser.add_argument("--lr", type=cli.float_in(0.0), default=TrainConfig.lr)
+    parser.add_argument("--dim", type=positive, default=ModelConfig.dim)
+    parser.add_argument("--target-depth", type=positive, default=ModelConfig.target_depth)
+    parser.add_argument("--source-depth", type=positive, default=ModelConfig.source_depth)
+    parser.add_argument("--early-exit-layer", type=positive, default=ModelConfig.target_early_exit_layer)
+    parser.add_argument("--ff-mult", type=positive, default=ModelConfig.ff_mult)
+    parser.add_argument("--warmup", type=count, default=TrainConfig.warmup)
     parser.add_argument("--init-from", type=Path, help="start from this checkpoint's weights (fresh optimizer)")
-    parser.add_argument("--checkpoint-every", type=int, default=500)
-    parser.add_argument("--max-minutes", type=float, help="end phase 1 early after this long (breaks determinism)")
-    parser.add_argument("--self-distill", type=int, default=0,
+    parser.add_argument("--checkpoint-every", type=positive, default=500)
+    parser.add_argument("--max-minutes", type=cli.float_in(0.0),
+                        help="end phase 1 early after this long (breaks determinism)")
+    parser.add_argument("--self-distill", type=count, default=0,
                         help="then distil the exit head on the model's own greedy units for this many sentences")
-    parser.add_argument("--self-distill-steps", type=int, default=300)
-    parser.add_argument("--draft-distill", type=int, default=0,
+    parser.add_argument("--self-distill-steps", type=count, default=300)
+    parser.add_argument("--draft-distill", type=count, default=0,
                         help="last, fit the exit head (TV loss, trunk frozen) to the model's own samples on this "
                              "many new sentences (in neither the training nor the held-out set)")
-    parser.add_argument("--draft-distill-steps", type=int, default=8000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draft-distill-steps", type=count, default=8000)
+    parser.add_argument("--seed", type=count, default=0)
+    parser.add_argument("--threads", type=positive, default=2)
     parser.add_argument("--ship", action="store_true", help="copy the result into tts_specdec/assets")
     args = parser.parse_args()
+    if args.early_exit_layer > args.target_depth:
+        parser.error(f"--early-exit-layer must be in 1..{args.target_depth} (--target-depth), got {args.early_exit_layer}")
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    args.run.mkdir(parents=True, exist_ok=True)
     tokenizer = CharTokenizer()
 
-    extractor = units_of_run(args)
-    # the cached pairs hold units of these centroids: their name says which
-    tag = fingerprint(extractor.centroids)
-    train_data = load_or_extract(args.run / f"pairs_train.{tag}.safetensors", args.corpus / "train", tokenizer, extractor)
-    heldout = load_or_extract(args.run / f"pairs_heldout.{tag}.safetensors", args.corpus / "heldout", tokenizer,
-                              extractor)
+    # what the command names (folders, files, a checkpoint) is checked and read here: a mistake there is
+    # one line and exit status 2; training below keeps its tracebacks
+    with cli.user_errors(parser.prog):
+        cli.writable_folder(args.run, "--run")
+        init = None
+        if args.init_from:
+            try:
+                init = load_checkpoint(args.init_from)
+            except cli.USER_ERRORS as error:
+                raise ValueError(f"--init-from: {str(error).splitlines()[0]}") from None
+        if args.kmeans is not None:
+            cli.readable_file(args.kmeans, "--kmeans")
+        elif not (args.run / "units.safetensors").exists():
+            corpus_split(args.corpus, "train")
+        extractor = units_of_run(args)
+        if init is not None and not torch.equal(init.centroids, extractor.centroids):
+            raise ValueError(f"--init-from {args.init_from} was trained on other k-means units")
+        # the cached pairs hold units of these centroids: their name says which
+        tag = fingerprint(extractor.centroids)
+        pairs = {split: args.run / f"pairs_{split}.{tag}.safetensors" for split in ("train", "heldout")}
+        for split, path in pairs.items():
+            if not path.exists():
+                corpus_split(args.corpus, split)
+        train_data = load_or_extract(pairs["train"], args.corpus / "train", tokenizer, extractor)
+        heldout = load_or_extract(pairs["heldout"], args.corpus / "heldout", tokenizer, extractor)
 
     config = ModelConfig(n_units=extractor.codebook_size, num_text_token_ids=tokenizer.num_text_token_ids,
                          dim=args.dim, source_depth=args.source_depth, target_depth=args.target_depth,
@@ -118,10 +156,7 @@ def main() -> None:
                                lr=args.lr, warmup=args.warmup, seed=args.seed,
                                cond_drop_prob=config.cond_drop_prob, max_minutes=args.max_minutes)
     lineage = {}
-    if args.init_from:
-        init = load_checkpoint(args.init_from)
-        if not torch.equal(init.centroids, extractor.centroids):
-            parser.error(f"--init-from {args.init_from} was trained on other k-means units")
+    if init is not None:
         config, model = init.config, init.model
         lineage = {"init_from": str(args.init_from), "init_meta": init.meta}
     else:
