@@ -125,6 +125,32 @@ def test_run_isolates_bad_lines_records_blanks_and_resumes(tmp_path, speech, mon
     assert report.reused == 0 and report.made == 4
 
 
+def test_a_line_that_fails_or_becomes_blank_loses_its_old_wav(tmp_path, speech, monkeypatch):
+    monkeypatch.setattr(batch, "synthesize", short)
+    texts = write_lines(tmp_path / "in.txt", ["Is the cat red?", "Open the door.", "Hi!", "Look!"])
+    out = tmp_path / "out"
+    batch.run(speech, texts, out, SETTINGS, batch_size=2, progress=False)
+    assert sorted(p.name for p in out.glob("*.wav")) == ["00001.wav", "00002.wav", "00003.wav", "00004.wav"]
+    elsewhere = tmp_path / "elsewhere.wav"  # a link in the folder goes; what it points to stays
+    elsewhere.write_bytes((out / "00004.wav").read_bytes())
+    (out / "00004.wav").unlink()
+    (out / "00004.wav").symlink_to(elsewhere)
+
+    # line 2 now fails, line 3 is blank, line 4 fails: their wavs of the first run go, line 1's stays
+    before = stamp(out / "00001.wav")
+    write_lines(texts, ["Is the cat red?", "Price: 5 €", "", "5 € too"])
+    report = batch.run(speech, texts, out, SETTINGS, batch_size=2, progress=False)
+    assert {e.line: e.status for e in report.entries} == {1: OK, 2: ERROR, 3: BLANK, 4: ERROR}
+    assert sorted(p.name for p in out.iterdir()) == ["00001.wav", "manifest.jsonl"]
+    assert stamp(out / "00001.wav") == before and elsewhere.exists()
+    assert [e.status for e in read_entries(out / "manifest.jsonl")] == [OK, ERROR, BLANK, ERROR]
+
+    # a folder where a wav would be is not the job's to remove
+    (out / "00003.wav").mkdir()
+    batch.run(speech, texts, out, SETTINGS, batch_size=2, progress=False)
+    assert (out / "00003.wav").is_dir()
+
+
 def test_a_batch_that_fails_is_retried_line_by_line(tmp_path, speech):
     def synth(speech, texts, mode, **kwargs):
         if any("boom" in t for t in texts):

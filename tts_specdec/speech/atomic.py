@@ -47,3 +47,13 @@ def remove_partials(folder: str | Path) -> int:
         temp.unlink(missing_ok=True)
         removed += 1
     return removed
+
+
+def discard(path: str | Path) -> bool:
+    """Remove the file `path` if there is one (a symbolic link itself, never what it points to; never a
+    folder): one unlink, atomic, so a reader sees the file or nothing. Returns whether one was removed."""
+    path = Path(path)
+    if not (path.is_symlink() or path.is_file()):
+        return False
+    path.unlink(missing_ok=True)
+    return True

@@ -4,7 +4,8 @@ A run (1) reads the lines (UTF-8 with or without a byte-order mark, any line end
 line is skipped when the manifest already holds an ok entry for the same text and settings whose wav
 opens with the recorded length, (3) cuts the other lines into batches of consecutive lines and
 decodes its share of them, (4) writes each wav atomically and appends its entry, and (5) merges every
-entry into DIR/manifest.jsonl. A line that fails becomes an error entry; the run goes on.
+entry into DIR/manifest.jsonl. A line that fails becomes an error entry; the run goes on. A line whose
+entry is not ok (it failed, or is blank now) has no wav: one left by an earlier run is removed.
 
 Under torchrun every process runs the same plan and takes a contiguous share of the batches
 (accelerate's `PartialState.split_between_processes`): a batch holds the same lines whatever the
@@ -20,7 +21,7 @@ from typing import Callable, Optional, Protocol
 
 from tqdm import tqdm
 
-from .atomic import remove_partials
+from .atomic import discard, remove_partials
 from .audio import write_wav
 from .longtext import MAX_PIECE_CHARS
 from .manifest import BLANK, ERROR, OK, Entry, append_entries, is_done, latest_entries, write_manifest
@@ -195,6 +196,12 @@ def run(speech: SpeechModel, texts_file: Path, out_dir: Path, settings: Settings
         raise RuntimeError(f"manifest: {len(lines) - len(merged)} lines have no entry after the run")
     state.wait_for_everyone()  # every process has read the parts before the main one removes them
     if state.is_main_process:
+        # a line that failed or became blank keeps no wav of an earlier run beside its entry (removed
+        # first: a kill before the manifest is written leaves an entry whose wav is gone, which resume
+        # redoes, never a wav the manifest calls an error)
+        for line in lines:
+            if entries[line.number].status != OK:
+                discard(out_dir / line.id)
         write_manifest(out_dir, merged)
     state.wait_for_everyone()
     return Report(out_dir / "manifest.jsonl", merged, len(kept), len(todo), time.perf_counter() - started)
