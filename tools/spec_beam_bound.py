@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from benchmark import default_model  # noqa: E402
+from benchmark import default_model, machine_info  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 
@@ -129,7 +129,7 @@ def main() -> None:
               f"{layers * 1e3:.2f} ms + rest {(cycle - layers) * 1e3:.2f} ms; measured {row['measured_speedup']:.2f}x beam "
               f"search; bound with the rest free {row['bound_if_rest_free']:.2f}x ({verdict} the {args.target:g}x target)")
     if args.json:
-        out = {"setup": setup.description, "threads": args.threads, "reps": args.reps, "beam_size": k,
+        out = {"setup": setup.description, "machine": machine_info("cpu"), "threads": args.threads, "reps": args.reps, "beam_size": k,
                "beam_step_ms": beam_step * 1e3, "beam_layer_ms_per_step": plain["layer_s"] / plain["steps"] * 1e3,
                "rows": rows, "raw": {f"gamma={g},W={w}": r for (g, w), r in results.items()}}
         tmp = args.json.with_suffix(args.json.suffix + ".partial")
