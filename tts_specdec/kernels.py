@@ -46,6 +46,7 @@ _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp
 _HEADER = Path(__file__).with_name("csrc") / "kernels.h"
 _module = None
 _failed: str | None = None
+_build_dir: Path | None = None  # where the loaded extension was built
 log = logging.getLogger(__name__)
 
 
@@ -105,7 +106,7 @@ def _build_lock(build_dir: Path):
 
 def _load():
     """The compiled extension, or None (with the reason in `_failed`)."""
-    global _module, _failed
+    global _module, _failed, _build_dir
     if _module is not None or _failed is not None:
         return _module
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -128,7 +129,7 @@ def _load():
                 # epilogues' mul + add pairs, depending on inlining, so a row's product could differ in
                 # the last bit with the number of rows beside it (test_row_result_independent_of_batch)
                 flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DTTS_SPECDEC_HEADER={digest}"]
-                build_dir = _build_directory(flags)
+                build_dir = _build_dir = _build_directory(flags)
                 with _build_lock(build_dir):
                     _module = load(
                         "tts_specdec_small_gemm", [str(p) for p in _SOURCES], extra_cflags=flags,
