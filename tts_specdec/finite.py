@@ -20,8 +20,18 @@ score is NaN, so on its paths such a NaN may never reach the logits; the kernels
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 NONFINITE = -1  # in place of a token picked from logits that were not all finite
 NONFINITE_DRAFT = -2  # the same, for the draft's (early-exit head's) logits, where a loop tells them apart
+
+
+def marked(logits: Tensor, token: Tensor) -> Tensor:
+    """token (rows,) picked from logits (rows, V), NONFINITE where a row's logits are not all finite:
+    the torch and compiled backends' marker, read by the loop with the tokens (no extra wait on the
+    device; the C++ kernels mark the same way)."""
+    return torch.where(torch.isfinite(logits).all(dim=-1), token, NONFINITE)
 
 
 class NonFiniteLogits(ValueError):

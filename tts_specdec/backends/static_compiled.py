@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..finite import marked
 from ..sampling import cfg_mix, filter_logits
 from ..weights import _t, _unit, rotate
-from .torch_eager import TorchEager, marked
+from .torch_eager import TorchEager
 
 if TYPE_CHECKING:
     from ..cache import KVCache
@@ -135,7 +136,7 @@ def _layers(
 def _pick(
     logits: Tensor, noise: Tensor | None, cfg: SamplingConfig, guided: bool, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Mixed logits (guided) -> (token, the token marked where the logits were not finite (`marked`),
+    """Mixed logits (guided) -> (token, the token marked where the logits were not finite (`finite.marked`),
     distribution): argmax when greedy (no distribution), else the exponential race of `sampling.draw`
     on `noise`."""
     if guided:

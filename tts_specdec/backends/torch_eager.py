@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..finite import NONFINITE
+from ..finite import marked
 from ..sampling import cfg_mix, draw, probabilities
 from ..weights import _normed_mm, _residual, _unit, rotate
 from .base import Backend
@@ -26,12 +26,6 @@ if TYPE_CHECKING:
 # tree's verify pass at dim 256 and loses at dim 128). Threshold on padding tokens x one layer's weight
 # elements.
 _PACK_MIN_WORK = 1 << 22
-
-
-def marked(logits: Tensor, token: Tensor) -> Tensor:
-    """token (rows,) picked from logits (rows, V), NONFINITE where a row's logits are not all finite
-    (`finite.py`: the loop reads the marker with the tokens, no extra wait on the device)."""
-    return torch.where(torch.isfinite(logits).all(dim=-1), token, NONFINITE)
 
 
 def additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
