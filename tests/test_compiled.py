@@ -44,12 +44,14 @@ def source():
     return make_source(5, 7, seed=2, lengths=[7, 5, 7, 2, 6])  # ragged; rows end at EOS and at MAX_LEN
 
 
-@pytest.mark.parametrize("gamma", [0, 3], ids=["plain", "spec"])
+@pytest.mark.parametrize("gamma,confidence", [(0, None), (3, None), (4, 0.6)], ids=["plain", "spec", "stops"])
 @pytest.mark.parametrize("name,cond_scale", [("plain", 1.0), ("cfg", 3.0)])
-def test_greedy_equals_default_path(models, compiled, source, name, cond_scale, gamma):
-    kwargs = dict(temperature=0.0, gamma=gamma, cond_scale=cond_scale, max_length=MAX_LEN)
+def test_greedy_equals_default_path(models, compiled, source, name, cond_scale, gamma, confidence, monkeypatch):
+    kwargs = dict(temperature=0.0, gamma=gamma, cond_scale=cond_scale, max_length=MAX_LEN, draft_confidence=confidence)
     ref = SpeculativeDecoder(models[name]).sample(source, **kwargs)
+    eager = _count_torch_passes(monkeypatch)
     out = compiled[name].sample(source, **kwargs)
+    assert not eager  # every layer pass ran as a graph
     assert compiled[name].decoder.backend.name == "compiled"
     lengths = [t.numel() for t in ref.tokens]
     if name == "plain":
@@ -57,6 +59,8 @@ def test_greedy_equals_default_path(models, compiled, source, name, cond_scale, 
     assert_same_tokens(out.tokens, ref.tokens)
     if gamma:
         assert (out.stats.accepted, out.stats.drafted) == (ref.stats.accepted, ref.stats.drafted)
+    if confidence:  # rows stopped drafting early, at counts the device found as the host rule does
+        assert ref.stats.drafted < gamma * sum(ref.stats.accepted_hist)
 
 
 def test_plain_sampling_draws_as_step_by_step(models, compiled, source, monkeypatch):
@@ -89,8 +93,9 @@ def test_sampling_keeps_its_law(models, compiled):
         cache = d.new_cache(1, 4)
         logits = d.target_logits(d.run(d.start(1), 0, range(d.depth), enc, cache))[0, 0]
     law = probabilities(logits, SamplingConfig(1.0))
-    for gamma in (0, 2):
-        out = dec.sample(source, temperature=1.0, gamma=gamma, max_length=1, generator=torch.Generator().manual_seed(0))
+    for gamma, confidence in ((0, None), (2, None), (3, 0.6)):
+        out = dec.sample(source, temperature=1.0, gamma=gamma, max_length=1, draft_confidence=confidence,
+                         generator=torch.Generator().manual_seed(0))
         first = torch.stack([t[0] if t.numel() else torch.tensor(d.eos_id) for t in out.tokens])
         freq = torch.bincount(first, minlength=law.numel()).double() / first.numel()
         tv = 0.5 * float((freq[: law.numel()] - law).abs().sum())
@@ -104,19 +109,27 @@ def test_top_k_one_is_greedy(models, compiled, source):
     assert_same_tokens(out.tokens, greedy.tokens)
 
 
+@pytest.mark.parametrize("semantics", ["standard", "upstream"])
 @pytest.mark.parametrize("name,cond_scale", [("plain", 1.0), ("cfg", 2.0)])
-def test_beam_search_equals_default_path(models, compiled, source, name, cond_scale):
+def test_beam_search_equals_default_path(models, compiled, source, name, cond_scale, semantics, monkeypatch):
     """Plain beam search's layer step is a compiled verify pass over a cache by value (beams reorder K/V);
-    speculative beam search's tree passes run on the torch path: the same hypotheses either way."""
-    for gamma in (0, 2):
-        kwargs = dict(beam_size=3, gamma=gamma, max_length=12, cond_scale=cond_scale)
+    speculative beam search's draft levels and verify pass are compiled tree passes, padded to static
+    sizes: the same hypotheses as the default path either way (ragged rows, items ending at EOS and at
+    max_length, guidance)."""
+    for gamma, width in ((0, None), (2, None), (3, 5)):
+        kwargs = dict(beam_size=3, gamma=gamma, max_length=12, cond_scale=cond_scale, beam_semantics=semantics)
+        if width:
+            kwargs["draft_width"] = width
         ref = SpeculativeDecoder(models[name]).beam_search(source, **kwargs)
-        graphs = counters["stats"]["unique_graphs"]
+        lengths = [t.numel() for t in ref.tokens]
+        assert min(lengths) < 12 and max(lengths) == 12, lengths
+        counters.clear()
+        eager = _count_torch_passes(monkeypatch)
         out = compiled[name].beam_search(source, **kwargs)
         assert_same_tokens(out.tokens, ref.tokens)
         assert out.scores == pytest.approx(ref.scores, rel=1e-12)
-        if gamma == 0 and name == "plain":
-            assert counters["stats"]["unique_graphs"] > graphs  # the beam step ran as a graph
+        assert not counters["graph_break"]
+        assert not eager  # every layer pass ran as a graph: none on torch's ops
 
 
 def test_no_graph_breaks_and_graphs_do_not_grow_with_length(models):
@@ -139,6 +152,42 @@ def test_no_graph_breaks_and_graphs_do_not_grow_with_length(models):
         assert not counters["graph_break"]
     finally:
         dec.decoder.eos_id = model_eos
+
+
+def test_speculative_beam_graphs_do_not_grow_with_length(models):
+    """Speculative beam search's tree passes: no graph breaks, and a decode three times as long adds no
+    graph (levels of the draft width, the whole tree for verify, capacity buckets)."""
+    dec = SpeculativeDecoder(models["plain"], compile=BACKEND)
+    source = make_source(2, 7, seed=5)
+    model_eos = dec.decoder.eos_id
+    dec.decoder.eos_id = None  # no EOS: both items run to max_length together
+    try:
+        counters.clear()
+        kwargs = dict(beam_size=3, gamma=3, draft_width=4)
+        # every cycle shape: full trees, and the shorter ones near max_length; both decodes' caches are in
+        # the same capacity bucket (max_length + 2 + gamma * width <= 64)
+        short = dec.beam_search(source, max_length=16, **kwargs)
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs > 0 and not counters["graph_break"]
+        long = dec.beam_search(source, max_length=48, **kwargs)
+        assert [t.numel() for t in short.tokens + long.tokens] == [16, 16, 48, 48]
+        assert long.stats.steps > 2 * short.stats.steps  # cycles
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert not counters["graph_break"]
+    finally:
+        dec.decoder.eos_id = model_eos
+
+
+def _count_torch_passes(monkeypatch) -> list:
+    """A list that gets an entry for every layer pass run on torch's ops from now on."""
+    calls, run = [], TorchEager.run_layers
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[2])
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchEager, "run_layers", counted)
+    return calls
 
 
 def test_capacity_buckets():

@@ -7,10 +7,15 @@ scale), a ragged batch of sources, max_length and guidance, then checks one of:
   beam    speculative beam search (gamma 1-3, draft width K..2K) == plain beam search;
   sample  speculative sampling with filters: every row within max_length, no EOS or pad in the output,
           accepted <= drafted; with top_k = 1 it must equal greedy decoding.
-Prints every failing case with what is needed to rebuild it. Run it on both paths:
+Prints every failing case with what is needed to rebuild it. Run it on every path:
 
     python tools/fuzz_equivalence.py --seed 1 --seconds 300
     TTS_SPECDEC_KERNELS=0 python tools/fuzz_equivalence.py --seed 2 --seconds 300
+    python tools/fuzz_equivalence.py --seed 3 --seconds 300 --compile aot_eager
+
+--compile B decodes with `SpeculativeDecoder(model, compile=B)` (static compiled steps) and takes the plain
+references (greedy, beam) from the default path, in float64 so that the two paths' arithmetic (~1e-15 apart)
+cannot flip a token; every case compiles its own graphs (seconds each).
 """
 
 from __future__ import annotations
@@ -43,11 +48,11 @@ def model_config(rng: random.Random) -> dict:
                 source_depth=rng.randint(1, 2), cond_drop_prob=0.1)
 
 
-def greedy_case(rng: random.Random, dec: SpeculativeDecoder, src: torch.Tensor, lengths: list[int], ml: int,
-                cs: float) -> tuple[bool, str]:
+def greedy_case(rng: random.Random, dec: SpeculativeDecoder, ref: SpeculativeDecoder, src: torch.Tensor,
+                lengths: list[int], ml: int, cs: float) -> tuple[bool, str]:
     gamma, conf = rng.choice([1, 2, 3, 4, 5, 6, 7, 8, "auto"]), rng.choice([None, None, 0.3, 0.9])
     draft_cs = rng.choice([None, 1.0, 2.0]) if cs > 1 else None
-    plain = dec.sample(src, temperature=0, max_length=ml, cond_scale=cs, gamma=0).tokens
+    plain = ref.sample(src, temperature=0, max_length=ml, cond_scale=cs, gamma=0).tokens
     spec = dec.sample(src, temperature=0, max_length=ml, cond_scale=cs, gamma=gamma, draft_confidence=conf,
                       draft_cond_scale=draft_cs).tokens
     what = f"greedy gamma={gamma} draft_confidence={conf} draft_cond_scale={draft_cs}"
@@ -62,11 +67,12 @@ def greedy_case(rng: random.Random, dec: SpeculativeDecoder, src: torch.Tensor, 
     return True, what
 
 
-def beam_case(rng: random.Random, dec: SpeculativeDecoder, src: torch.Tensor, ml: int, cs: float) -> tuple[bool, str]:
+def beam_case(rng: random.Random, dec: SpeculativeDecoder, ref: SpeculativeDecoder, src: torch.Tensor, ml: int,
+              cs: float) -> tuple[bool, str]:
     k, gamma = rng.randint(1, 4), rng.randint(1, 3)
     width, lp = rng.randint(k, 2 * k), rng.choice([0.0, 1.0, 2.0])
     ml = min(ml, 20)
-    plain = dec.beam_search(src, beam_size=k, length_penalty=lp, max_length=ml, cond_scale=cs, gamma=0)
+    plain = ref.beam_search(src, beam_size=k, length_penalty=lp, max_length=ml, cond_scale=cs, gamma=0)
     spec = dec.beam_search(src, beam_size=k, length_penalty=lp, max_length=ml, cond_scale=cs, gamma=gamma,
                            draft_width=width)
     return same(plain.tokens, spec.tokens), f"beam K={k} gamma={gamma} W={width} length_penalty={lp} max_length={ml}"
@@ -92,6 +98,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--compile", default=None, help="a torch.compile backend (aot_eager, inductor): decode compiled")
     args = p.parse_args()
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
@@ -105,12 +112,16 @@ def main() -> int:
         ml, cs = rng.randint(1, 40), rng.choice([1.0, 1.0, 3.0])
         case = f"model {cfg} seed {seed}, source lengths {lengths}, max_length {ml}, cond_scale {cs}"
         try:
-            dec = SpeculativeDecoder(make_model(seed, **cfg))
+            if args.compile:
+                model = make_model(seed, dtype=torch.float64, **cfg)
+                dec, ref = SpeculativeDecoder(model, compile=args.compile), SpeculativeDecoder(model)
+            else:
+                dec = ref = SpeculativeDecoder(make_model(seed, **cfg))
             kind = rng.choice(["greedy", "greedy", "beam", "sample"])
             if kind == "greedy":
-                ok, what = greedy_case(rng, dec, src, lengths, ml, cs)
+                ok, what = greedy_case(rng, dec, ref, src, lengths, ml, cs)
             elif kind == "beam":
-                ok, what = beam_case(rng, dec, src, ml, cs)
+                ok, what = beam_case(rng, dec, ref, src, ml, cs)
             else:
                 ok, what = sample_case(rng, dec, src, ml, cs, seed)
             if not ok:

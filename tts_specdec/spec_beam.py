@@ -186,22 +186,26 @@ def draft(
     score = torch.cat([s.scores for s in live.states]).flatten()  # (R,) target scores of the roots
     level = torch.arange(r_n, device=device)  # nodes of the current level, item-major
     x, n_nodes, trunk = live.x, r_n, range(dec.exit_layer)
+    static = dec.backend.static_shapes
     for d in range(levels + 1):
-        # lay this level's nodes out per row: (R, c) with padding where a row got fewer
+        # lay this level's nodes out per row: (R, c) with padding where a row got fewer (static shapes:
+        # c is the most a row can get, the draft width, instead of the count read back from the device)
         lrow, lidx = row[level], index[level]
-        c = int(torch.bincount(lrow, minlength=r_n).max())
-        col = lidx - (count - torch.bincount(lrow, minlength=r_n))[lrow]  # 0.. within the row's level
+        per_row = _per_row(lrow, r_n)
+        c = width if d > 0 and static else int(per_row.max())
+        first = count - per_row  # index of the row's first new node
+        col = lidx - first[lrow]  # 0.. within the row's level
         slot_of = torch.full((r_n, c), -1, dtype=torch.long, device=device)
         slot_of[lrow, col] = lidx
         real = slot_of >= 0
-        first = count - torch.bincount(lrow, minlength=r_n)  # index of the row's first new node
         idx = torch.where(real, slot_of, first[:, None] + torch.arange(c, device=device))
         if d > 0:
             xs = x.new_zeros(r_n * g, c, x.shape[-1])
             xs.view(r_n, g, c, -1)[lrow, :, col] = x.view(-1, g, x.shape[-1])
             x = xs
         h = dec.run(x, dec.per_row(t + first, guided), trunk, live.enc, cache,
-                    attn_mask=_tree_mask(anc, idx, real, t, t + first + c, guided),
+                    attn_mask=_tree_mask(anc, idx, real, t, cache.capacity if static else int((t + first).max()) + c,
+                                         guided),
                     positions=dec.per_row((t + d)[:, None].expand(-1, c), guided), real=dec.per_row(real, guided))
         hv = h.view(r_n, g, c, -1)
         hs.view(r_n, g, m_max, -1)[lrow, :, lidx] = hv[lrow, :, col]
@@ -221,12 +225,13 @@ def draft(
         order = torch.argsort(prow * new.numel() + torch.arange(new.numel(), device=device))
         rank = torch.empty_like(order)
         rank[order] = torch.arange(new.numel(), device=device)
-        before = torch.cumsum(torch.bincount(prow, minlength=r_n), 0) - torch.bincount(prow, minlength=r_n)
+        per_row = _per_row(prow, r_n)
+        before = torch.cumsum(per_row, 0) - per_row
         nidx = count[prow] + rank - before[prow]
         row[new], index[new], depth[new], parent[new], tokens[new] = prow, nidx, d + 1, par, (flat % vocab).flatten()
         anc[prow, nidx] = anc[prow, index[par]]
         anc[prow, nidx, nidx] = True
-        count += torch.bincount(prow, minlength=r_n)
+        count += per_row
         n_nodes += new.numel()
         level, score = new, top.flatten()
         x = dec.embed(tokens[new][:, None], guided)
@@ -245,14 +250,15 @@ def verify(
     k = live.states[0].beam_size
     r_n = tree.count.numel()
     t = live.pos.repeat_interleave(k)
-    m = int(tree.count.max())
+    static = dec.backend.static_shapes  # the whole tree's size instead of the largest row's, read back
+    m = tree.anc.shape[1] if static else int(tree.count.max())
     idx = torch.arange(m, device=t.device).expand(r_n, m)
     real = idx < tree.count[:, None]
     depth = torch.zeros(r_n, m, dtype=torch.long, device=t.device)
     depth[tree.row, tree.index] = tree.depth
     upper = range(dec.exit_layer, dec.depth)
     h = dec.run(tree.h[:, :m], dec.start_of(t, guided), upper, live.enc, cache,
-                attn_mask=_tree_mask(tree.anc, idx, real, t, t + m, guided),
+                attn_mask=_tree_mask(tree.anc, idx, real, t, cache.capacity if static else int(t.max()) + m, guided),
                 positions=dec.per_row(t[:, None] + depth, guided), real=dec.per_row(real, guided))
     lp = step_logprobs(dec.target_logits(h), cond_scale, temperature)  # (R, m, V)
     return lp[tree.row, tree.index]
@@ -328,11 +334,17 @@ def commit(
     return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, dec.embed(tokens[:, None], guided), enc)
 
 
-def _tree_mask(anc: Tensor, idx: Tensor, real: Tensor, t: Tensor, end: Tensor, guided: bool) -> Tensor:
-    """(R*g, 1, c, keys) bool: a query node sees slots < t (the committed prefix) and the slots of its
-    own ancestors; a padding query sees only its own slot (its output is never read)."""
+def _per_row(rows: Tensor, r_n: int) -> Tensor:
+    """How many of `rows` name each row 0..r_n-1 (torch.bincount reads the largest back from a GPU)."""
+    return torch.zeros(r_n, dtype=torch.long, device=rows.device).index_add_(0, rows, torch.ones_like(rows))
+
+
+def _tree_mask(anc: Tensor, idx: Tensor, real: Tensor, t: Tensor, keys: int, guided: bool) -> Tensor:
+    """(R*g, 1, c, keys) bool over cache slots 0..keys-1: a query node sees slots < t (the committed
+    prefix) and the slots of its own ancestors; a padding query sees only its own slot (its output is
+    never read)."""
     r_n, m = anc.shape[0], anc.shape[1]
-    keys = torch.arange(int(end.max()), device=t.device)
+    keys = torch.arange(keys, device=t.device)
     rel = keys[None, :] - t[:, None]  # (R, keys) tree index of each key slot
     in_tree = (rel >= 0) & (rel < m)
     own = anc[torch.arange(r_n, device=t.device)[:, None], idx.clamp(max=m - 1)]  # (R, c, M)

@@ -28,6 +28,10 @@ class Backend:
     fused_plain = False
     # beam search may keep its cache by reference (`KVCache` slot tables), which run_layers reads
     by_reference = True
+    # speculative beam search pads its tree passes to sizes fixed per cycle shape (a level: the draft
+    # width; verify: the whole tree) with masks over the cache's capacity, instead of cutting them to the
+    # nodes present (which reads counts back from the device): a graph per shape, not per tree
+    static_shapes = False
 
     def __init__(self, dec: Decoder) -> None:
         self.dec = dec

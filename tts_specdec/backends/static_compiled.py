@@ -11,9 +11,10 @@ were not finite (`finite.py`: read with the tokens); no `.item()`, `.tolist()` o
 call: the caller discards what follows an EOS or max_length), a draft phase, a verify pass.
 
 Compiled here: plain steps (greedy and sampling, guidance, top-k/top-p), the draft phase without draft
-stops, and the verify pass, which is also plain beam search's layer step (its beam bookkeeping stays on
-the host). Everything else (speculative beam search's tree passes, draft stops) runs on the torch path
-this backend extends, with the same results.
+stops, the verify pass, which is also plain beam search's layer step, and speculative beam search's tree
+passes (every draft level and the verify pass, padded to fixed sizes: `Backend.static_shapes`). The beam
+bookkeeping between passes (candidate ranking, replay, commit) stays on the host. Draft stops are
+found on the device after gamma draft steps (`StaticCompiled.draft_phase`).
 
 `compile`: True (inductor) or the name of a `torch.compile` backend ("eager", "aot_eager": tests).
 """
@@ -99,19 +100,24 @@ def _ff_residual(w: _Layer, x: Tensor) -> Tensor:
 
 def _layers(
     w: _Weights, layers: range, x: Tensor, pos: Tensor, k_all: Tensor, v_all: Tensor, enc_k: Tensor, enc_v: Tensor,
-    enc_mask: Tensor | None, cos_t: Tensor, sin_t: Tensor, heads: int,
+    enc_mask: Tensor | None, cos_t: Tensor, sin_t: Tensor, heads: int, slots: Tensor | None = None,
+    allowed: Tensor | None = None,
 ) -> Tensor:
-    """Decoder `layers` on x (rows, n, dim) at slots pos (rows, n), causal by slot; writes K/V into
-    k_all/v_all (layers, rows, kv_heads, capacity, d) by index_copy_; returns the hidden states."""
+    """Decoder `layers` on x (rows, n, dim) at rotary positions pos (rows, n), written at `slots` (rows, n;
+    default pos) of k_all/v_all (layers, rows, kv_heads, capacity, d) by index_copy_; each query sees the
+    slots `allowed` (rows, 1, n, capacity) bool marks, default those <= its own (causal by slot). Returns
+    the hidden states."""
     rows, n, dim = x.shape
     kvh, cap, d = k_all.shape[2], k_all.shape[3], k_all.shape[4]
     cos, sin = cos_t[pos], sin_t[pos]  # (rows, n, d)
-    slot = torch.arange(cap, device=x.device)
-    mask = torch.zeros(rows, 1, n, cap, dtype=x.dtype, device=x.device).masked_fill(
-        slot > pos[:, None, :, None], float("-inf"))
-    # flat index of (row, kv head, pos) in a layer's (rows * kv_heads * capacity, d) view
+    if slots is None:
+        slots = pos
+    if allowed is None:
+        allowed = torch.arange(cap, device=x.device) <= slots[:, None, :, None]
+    mask = torch.zeros(rows, 1, n, cap, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
+    # flat index of (row, kv head, slot) in a layer's (rows * kv_heads * capacity, d) view
     base = (torch.arange(rows, device=x.device)[:, None] * kvh + torch.arange(kvh, device=x.device)) * cap
-    where = (base[:, :, None] + pos[:, None, :]).reshape(-1)
+    where = (base[:, :, None] + slots[:, None, :]).reshape(-1)
     x = x.reshape(rows * n, dim)
     for i in layers:
         lw = w.layers[i]
@@ -163,13 +169,18 @@ def _plain_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, s
 
 
 def _draft_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, exit_layer, cfg,
-                guided, scale):
+                guided, scale, stops):
     """One draft step: layers below the exit and the exit head -> (exit state, token marked as `_pick`
-    marks it, q or None, next input, pos + 1)."""
+    marks it, q or None, the probability draft stops test (`stops`; else None), next input, pos + 1)."""
     h = _layers(w, range(exit_layer), x, pos[:, None], k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
     logits = torch.mm(_unit(_ff_residual(w.exit_ff, h[:, 0])), w.exit_out)
-    token, mark, q = _pick(logits, noise, cfg, guided, scale)
-    return h, mark, q, _next_input(w, token, guided), pos + 1
+    if guided:
+        logits = cfg_mix(logits, scale)
+    token, mark, q = _pick(logits, noise, cfg, False, 1.0)
+    conf = None
+    if stops:  # what the draft gave its token: q's entry, or when greedy the softmax's largest
+        conf = logits.softmax(dim=-1).amax(dim=-1) if q is None else q.gather(-1, token[:, None])[:, 0]
+    return h, mark, q, conf, _next_input(w, token, guided), pos + 1
 
 
 def _run(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, first, stop, head):
@@ -181,6 +192,13 @@ def _run(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads
     return torch.mm(_unit(h.reshape(-1, h.shape[-1])), w.target).view(*h.shape[:2], -1)
 
 
+def _tree(w, x, pos, slots, allowed, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, first, stop):
+    """A speculative beam tree pass: layers first..stop-1 on the nodes x (rows, n, dim) at rotary positions
+    pos (their depths), written at `slots`, each seeing the slots `allowed` marks (prefix and ancestors)."""
+    return _layers(w, range(first, stop), x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads,
+                   slots, allowed)
+
+
 # ---- the backend ------------------------------------------------------------------------------------
 
 
@@ -188,6 +206,7 @@ class StaticCompiled(TorchEager):
     name = "compiled"
     fused_plain = True
     by_reference = False  # a graph reads the cache by position: beam steps reorder K/V
+    static_shapes = True
 
     def __init__(self, dec: Decoder, compile_backend: str = "inductor") -> None:
         super().__init__(dec)
@@ -267,28 +286,60 @@ class StaticCompiled(TorchEager):
         self, x: Tensor, pos: Tensor, gamma: int, cfg: SamplingConfig, generator: torch.Generator | None,
         enc: Encoded, cache: KVCache, *, confidence: float | None = None, cond_scale: float = 1.0,
     ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-        """gamma compiled draft steps and the exit state of the last draft; draft stops (a host-side rule)
-        run on the torch path."""
-        if confidence is not None:
-            return super().draft_phase(x, pos, gamma, cfg, generator, enc, cache, confidence=confidence,
-                                       cond_scale=cond_scale)
+        """gamma compiled draft steps and the exit state of the last draft, nothing read back. With draft
+        stops every row drafts all gamma steps and its proposed count is found on the device: the first
+        draft its draft gave less than `confidence`, else gamma, the count the step-by-step rule gives
+        (compared in float64, as that rule compares the value read back with the Python float). Drafts
+        past a row's count are never accepted; sampling draws noise for them too, so a seeded run's
+        tokens can differ from the step-by-step loop's when every row stopped early (each is still
+        exact: the output law is the target's)."""
         dec, guided = self.dec, enc.guided
         inputs = self._inputs(enc, cache, int(pos.max()) + gamma + 1)
         static = dict(heads=dec.heads, guided=guided, scale=float(cond_scale) if guided else 1.0)
-        step = self._graph(_draft_step, x.device, exit_layer=dec.exit_layer, cfg=_key(cfg), **static)
+        step = self._graph(_draft_step, x.device, exit_layer=dec.exit_layer, cfg=_key(cfg),
+                           stops=confidence is not None, **static)
         row_pos, x = dec.per_row(pos, guided), x.contiguous()
-        exits, qs, drafts = [], [], []
+        exits, qs, drafts, confs = [], [], [], []
         for _ in range(gamma):
-            h, token, q, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, generator, pos.numel(), x), *inputs)
+            h, token, q, conf, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, generator, pos.numel(), x),
+                                                 *inputs)
             exits.append(h)
             drafts.append(token)
             if q is not None:
                 qs.append(q)
+            if conf is not None:
+                confs.append(conf)
         tail = self._graph(_run, x.device, heads=dec.heads, first=0, stop=dec.exit_layer, head=False)
         exits.append(tail(self.w, x, row_pos[:, None], *inputs))
         for i in range(dec.exit_layer):
             dec.layer_evals[i] += x.shape[0] * (gamma + 1)
-        return torch.cat(exits, dim=1), torch.stack(qs, dim=1) if qs else None, torch.stack(drafts, dim=1), None
+        limit = None
+        if confidence is not None:
+            below = torch.stack(confs, dim=1).to(torch.float64) < confidence
+            limit = torch.where(below.any(dim=1), below.to(torch.int8).argmax(dim=1) + 1, gamma)
+        return torch.cat(exits, dim=1), torch.stack(qs, dim=1) if qs else None, torch.stack(drafts, dim=1), limit
+
+    def run_layers(
+        self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
+        attn_mask: Tensor | None = None, positions: Tensor | None = None, real: Tensor | None = None,
+    ) -> Tensor:
+        """A tree pass (explicit positions and a boolean mask over the cache's whole capacity, as speculative
+        beam search builds them on a backend with `static_shapes`) runs as one graph: padding tokens are
+        computed, not packed (`real` unused), and the cache counts as written up to its capacity (the
+        slots are device tensors: reading their maximum would wait for the device). Any other pass runs
+        on torch's ops (no search loop makes one under compile: tests/test_compiled.py counts them)."""
+        tree = (positions is not None and attn_mask is not None and attn_mask.dtype == torch.bool
+                and attn_mask.shape[-1] == cache.capacity)
+        if not tree:
+            return super().run_layers(x, start, layers, enc, cache, attn_mask, positions, real)
+        rows, n = x.shape[:2]
+        slots = torch.arange(n, device=x.device) + (start[:, None] if isinstance(start, Tensor) else start)
+        inputs = self._inputs(enc, cache, cache.capacity)
+        graph = self._graph(_tree, x.device, heads=self.dec.heads, first=layers.start, stop=layers.stop)
+        for i in layers:
+            self.dec.layer_evals[i] += rows * n
+        return graph(self.w, x.contiguous(), positions.contiguous(), slots.expand(rows, n).contiguous(),
+                     attn_mask.contiguous(), *inputs)
 
     def verify(self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache) -> Tensor:
         """`layers` and the target head on x (rows, n, dim) at slots start.. of each row, in one graph."""
