@@ -121,6 +121,9 @@ class StepOutput:
     parents: Tensor  # (active' * K,) old row of each new live beam (finished items dropped)
     tokens: Tensor  # (active' * K,) the token each new live beam appended
     kept: Tensor  # (active',) old index of each item still active
+    # the same parents and tokens, and the new beams' scores, on the host (read with the step's one
+    # read-back: a caller that needs them reads nothing more)
+    host: tuple[list[int], list[int], list[float]]
 
 
 def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOutput:
@@ -137,8 +140,10 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     new_len = state.length + 1
     norm = new_len**state.length_penalty
     device = state.tokens.device
-    # the K best as Python numbers: a few dozen values, cheaper to test here than with tensor ops
-    best, flat = top_scores[:, :k].tolist(), top_index[:, :k].tolist()
+    # the K best as Python numbers (one read-back: scores and indices, both exact in float64): a few
+    # dozen values, cheaper to test here than with tensor ops
+    read = _read(top_scores, top_index)
+    best, flat = [row[:k] for row in read[0]], [row[:k] for row in read[1]]
     if any(v != v for row in best for v in row):
         # topk ranks NaN first: some beam's log-probs hold NaN (`step_logprobs`: its logits were not all
         # finite). A live beam's is an error; a padding beam's (-inf score) is never read, but must not
@@ -146,37 +151,49 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
         _raise_nonfinite(state, logprobs.view(a, k, vocab))
         cand.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         top_scores, top_index = cand.topk(min(2 * k, k * vocab), dim=1)
-        best, flat = top_scores[:, :k].tolist(), top_index[:, :k].tolist()
+        read = _read(top_scores, top_index)
+        best, flat = [row[:k] for row in read[0]], [row[:k] for row in read[1]]
     if all(math.isfinite(v) for row in best for v in row) and (
         state.eos_id is None or all(f % vocab != state.eos_id for row in flat for f in row)
     ):
         # the common case: no EOS and no -inf among the K best, so they are the new beams
-        parents = torch.tensor([[i * k + f // vocab for f in row] for i, row in enumerate(flat)], device=device)
-        tokens = torch.tensor([[f % vocab for f in row] for row in flat], device=device)
-        scores = top_scores[:, :k].to(device, torch.float64)
-        best_live = [row[0] for row in best]  # float32 values, exactly as in `scores`
+        host = ([i * k + f // vocab for i, row in enumerate(flat) for f in row],
+                [f % vocab for row in flat for f in row], [v for row in best for v in row])
+        parents = torch.tensor(host[0], device=device).view(a, k)
+        tokens = torch.tensor(host[1], device=device).view(a, k)
+        scores = top_scores[:, :k].to(device, torch.float64)  # the float32 values of `best`, exactly
     else:
-        parents, tokens, scores = _walk(state, top_scores, top_index, vocab, norm)
-        best_live = scores[:, 0].tolist()  # beams are in score order
+        parents, tokens, scores, host = _walk(state, *read, vocab, norm)
+    best_live = host[2][::k]  # beams are in score order
     state.tokens = torch.cat((state.tokens[parents.flatten()], tokens.flatten()[:, None]), dim=1)
     state.scores = scores
 
     if last:
         for i in range(a):
             for j in range(k):
-                if scores[i, j] > -math.inf:
-                    state._add_finished(state.items[i], float(scores[i, j]) / norm, state.tokens[i * k + j])
+                score = host[2][i * k + j]  # = scores[i, j], on the host
+                if score > -math.inf:
+                    state._add_finished(state.items[i], score / norm, state.tokens[i * k + j])
         keep = []
     else:
         keep = [i for i in range(a) if not _is_done(state, i, best_live[i], norm)]
     if len(keep) == a:  # no item finished: rows stay where they are
-        return StepOutput(parents.flatten(), tokens.flatten(), torch.arange(a, device=device))
+        return StepOutput(parents.flatten(), tokens.flatten(), torch.arange(a, device=device), host)
     kept = torch.tensor(keep, dtype=torch.long, device=device)
     rows = item_rows(kept, k)
     state.items = [state.items[i] for i in keep]
     state.tokens = state.tokens[rows]
     state.scores = state.scores[kept]
-    return StepOutput(parents.flatten()[rows], tokens.flatten()[rows], kept)
+    host_rows = [i * k + j for i in keep for j in range(k)]
+    return StepOutput(parents.flatten()[rows], tokens.flatten()[rows], kept,
+                      tuple([h[r] for r in host_rows] for h in host))
+
+
+def _read(top_scores: Tensor, top_index: Tensor) -> tuple[list[list[float]], list[list[int]]]:
+    """The ranked candidates' scores and flat indices of every item, in one read-back (float64 holds
+    both exactly)."""
+    read = torch.stack((top_scores.to(torch.float64), top_index.to(torch.float64))).tolist()
+    return read[0], [[int(f) for f in row] for row in read[1]]
 
 
 def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput:
@@ -200,11 +217,16 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
     state.ended = state.ended[parents]
     if state.eos_id is not None:
         state.ended |= tokens == state.eos_id
-    # one read-back: the items' checks and whether every beam ended (`all_ended`, here or in the caller)
-    read = torch.cat((bad, state.ended.all()[None])).tolist()
+    # one read-back: the items' checks, whether every beam ended (`all_ended`, here or in the caller), and
+    # the new beams (float64 holds the indices exactly)
+    flags = torch.cat((bad, state.ended.all()[None])).to(torch.float64)
+    read = torch.cat((flags, parents.to(torch.float64), tokens.to(torch.float64), state.scores.flatten())).tolist()
     if any(read[:a]):
-        raise NonFiniteLogits(items[read.index(True)], step)
-    state._all_ended = read[-1]
+        raise NonFiniteLogits(items[next(i for i, v in enumerate(read[:a]) if v)], step)
+    state._all_ended = bool(read[a])
+    n = a * k
+    host = ([int(v) for v in read[a + 1 : a + 1 + n]], [int(v) for v in read[a + 1 + n : a + 1 + 2 * n]],
+            read[a + 1 + 2 * n :])
     kept = torch.arange(a, device=device)
     if last or (state.stop_together and state.all_ended()):
         for i in range(a):
@@ -212,8 +234,8 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
             state._add_finished(state.items[i], score, tokens_i)
         state.items, kept = [], kept[:0]
         state.tokens, state.scores, state.ended = state.tokens[:0], state.scores[:0], state.ended[:0]
-        return StepOutput(parents[:0], tokens[:0], kept)
-    return StepOutput(parents, tokens, kept)
+        return StepOutput(parents[:0], tokens[:0], kept, ([], [], []))
+    return StepOutput(parents, tokens, kept, host)
 
 
 def _raise_nonfinite(state: BeamState, logprobs: Tensor) -> None:
@@ -225,12 +247,12 @@ def _raise_nonfinite(state: BeamState, logprobs: Tensor) -> None:
 
 
 def _walk(
-    state: BeamState, top_scores: Tensor, top_index: Tensor, vocab: int, norm: float
-) -> tuple[Tensor, Tensor, Tensor]:
+    state: BeamState, scores_l: list[list[float]], index_l: list[list[int]], vocab: int, norm: float
+) -> tuple[Tensor, Tensor, Tensor, tuple[list[int], list[int], list[float]]]:
     """The 2K best candidates per item, best first: an EOS among the first K ranks finishes a
-    hypothesis, the others fill the K live beams. Returns (parents, tokens, scores), each (active, K)."""
+    hypothesis, the others fill the K live beams. Returns (parents, tokens, scores), each (active, K),
+    and the same flattened on the host."""
     k, a, device = state.beam_size, state.active, state.tokens.device
-    scores_l, index_l = top_scores.tolist(), top_index.tolist()
     parents = torch.zeros(a, k, dtype=torch.long)
     tokens = torch.zeros(a, k, dtype=torch.long)
     scores = torch.full((a, k), -math.inf, dtype=torch.float64)
@@ -251,7 +273,8 @@ def _walk(
             if filled == k:
                 break
         parents[i, filled:] = i * k  # padding beams: -inf score, never expanded
-    return parents.to(device), tokens.to(device), scores.to(device)
+    host = (parents.flatten().tolist(), tokens.flatten().tolist(), scores.flatten().tolist())  # CPU tensors
+    return parents.to(device), tokens.to(device), scores.to(device), host
 
 
 def _is_done(state: BeamState, i: int, best_live: float, norm: float) -> bool:

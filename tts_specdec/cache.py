@@ -114,12 +114,10 @@ class KVCache:
             kernels.reorder_rows(self.k, index, high)  # one call instead of ~8 indexing kernels
             kernels.reorder_rows(self.v, index, high)
         elif index.numel() == self.rows:
-            # beams that kept their slot need no copy; the right-hand side is gathered before writing
-            moved = (index != torch.arange(self.rows, device=index.device)).nonzero()[:, 0]
-            if moved.numel():
-                src = index[moved]
-                self.k[:, moved, :, :high] = self.k[:, :, :, :high].index_select(1, src)
-                self.v[:, moved, :, :high] = self.v[:, :, :, :high].index_select(1, src)
+            # every row gathered, the right-hand side before writing: finding the rows that moved would
+            # read the index back to the host (on a GPU, a wait for the device every beam step)
+            self.k[:, :, :, :high] = self.k[:, :, :, :high].index_select(1, index)
+            self.v[:, :, :, :high] = self.v[:, :, :, :high].index_select(1, index)
         else:
             self.k = self._gathered(self.k, index, high)
             self.v = self._gathered(self.v, index, high)

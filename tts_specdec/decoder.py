@@ -203,9 +203,12 @@ class Decoder:
         """A tensor indexed by sequence (dim 0) -> indexed by cache/context row."""
         return per_seq.repeat_interleave(2, dim=0) if guided else per_seq
 
-    @staticmethod
-    def start_of(pos: Tensor, guided: bool) -> int | Tensor:
-        """Per-sequence start slots for `run`: an int when all are equal (the cache's fast path)."""
+    def start_of(self, pos: Tensor, guided: bool) -> int | Tensor:
+        """Per-sequence start slots for `run`: an int when all are equal (the cache's fast path); always
+        the tensor on a backend of static shapes (positions are its inputs: testing them would read
+        them back from the device)."""
+        if self.backend.static_shapes:
+            return Decoder.per_row(pos, guided)
         first = int(pos[0])
         if bool((pos == first).all()):
             return first

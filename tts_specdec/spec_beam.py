@@ -40,6 +40,7 @@ class _Live:
     items: list[int]  # original index of each active item
     states: list[BeamState]  # one per active item: items advance by different numbers of steps
     pos: Tensor  # (A,) generated tokens = slot and position of every live beam's pending input
+    lengths: list[int]  # the same on the host (no read-back to size a cycle)
     x: Tensor  # (A * K * g, 1, dim) pending inputs (not yet through any layer)
     enc: Encoded  # one entry per cache row
 
@@ -128,15 +129,15 @@ def spec_beam_search_loop(
     together = _Together(batch, max_length) if semantics == "upstream" else None
     states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device, semantics, stop_together=False)
               for _ in range(batch)]
-    live = _Live(list(range(batch)), states, torch.zeros(batch, dtype=torch.long, device=device),
+    live = _Live(list(range(batch)), states, torch.zeros(batch, dtype=torch.long, device=device), [0] * batch,
                  dec.start(enc.rows), enc)
     done: dict[int, BeamState] = {}
     stats.committed_hist = [0] * (gamma + 2)
     clock = PhaseClock(device)
     while live.items:
         # no drafting past max_length: replay can commit at most max_length - t steps
-        levels = min(gamma, max_length - 1 - int(live.pos.min()))
-        cache.grow(int(live.pos.max()) + 2 + levels * width)
+        levels = min(gamma, max_length - 1 - min(live.lengths))
+        cache.grow(max(live.lengths) + 2 + levels * width)
         t0 = clock.mark()
         tree = draft(dec, live, cache, levels, width, cond_scale, temperature)
         t1 = clock.mark()
@@ -192,7 +193,10 @@ def draft(
         # c is the most a row can get, the draft width, instead of the count read back from the device)
         lrow, lidx = row[level], index[level]
         per_row = _per_row(lrow, r_n)
-        c = width if d > 0 and static else int(per_row.max())
+        if d == 0:  # the roots: one per row
+            c = 1
+        else:
+            c = width if static else int(per_row.max())
         first = count - per_row  # index of the row's first new node
         col = lidx - first[lrow]  # 0.. within the row's level
         slot_of = torch.full((r_n, c), -1, dtype=torch.long, device=device)
@@ -235,10 +239,8 @@ def draft(
         n_nodes += new.numel()
         level, score = new, top.flatten()
         x = dec.embed(tokens[new][:, None], guided)
-    children = {
-        (p, tk): n + r_n
-        for n, (p, tk) in enumerate(zip(parent[r_n:n_nodes].tolist(), tokens[r_n:n_nodes].tolist()))
-    }
+    parent_l, token_l = torch.stack((parent[r_n:n_nodes], tokens[r_n:n_nodes])).tolist()  # one read-back
+    children = {(p, tk): n + r_n for n, (p, tk) in enumerate(zip(parent_l, token_l))}
     return _Tree(row[:n_nodes], index[:n_nodes], depth[:n_nodes], parent[:n_nodes], anc, hs, count, children)
 
 
@@ -285,10 +287,11 @@ def replay(
             if together is not None and together.record(live.items[a], state) or state.active == 0:
                 advances.append(_Advance(steps, None, None))
                 break
-            parents = [nodes[j] for j in out.parents.tolist()]
-            nxt = [tree.children.get(pt) for pt in zip(parents, out.tokens.tolist())]
+            rows, tokens, scores = out.host
+            parents = [nodes[j] for j in rows]
+            nxt = [tree.children.get(pt) for pt in zip(parents, tokens)]
             # a -inf beam (fewer than K candidates) never expands again: any verified node serves it
-            dead = [s == -math.inf for s in state.scores[0].tolist()]
+            dead = [s == -math.inf for s in scores]
             nxt = [p if n is None and dd else n for n, p, dd in zip(nxt, parents, dead)]
             if None in nxt:  # a new beam left the tree: this step is committed, the cycle ends
                 advances.append(_Advance(steps, parents, out.tokens))
@@ -304,14 +307,15 @@ def commit(
     kept = [a for a, adv in enumerate(advances) if adv.parents is not None]
     device, k = live.pos.device, live.states[0].beam_size
     if not kept:
-        return _Live([], [], live.pos[:0], live.x[:0], live.enc)
+        return _Live([], [], live.pos[:0], [], live.x[:0], live.enc)
     kept_t = torch.tensor(kept, dtype=torch.long, device=device)
-    steps = torch.tensor([advances[a].steps for a in kept], dtype=torch.long, device=device)
+    steps_l = [advances[a].steps for a in kept]
+    steps = torch.tensor(steps_l, dtype=torch.long, device=device)
     pos = live.pos[kept_t] + steps
     node = torch.tensor([p for a in kept for p in advances[a].parents], dtype=torch.long, device=device)
     cache.reorder(dec.rows(tree.row[node], guided))
     # the accepted path of each new beam: ancestors of its parent node at depths 1..steps-1
-    s_max = int(steps.max()) - 1
+    s_max = max(steps_l) - 1
     if s_max > 0:
         path = torch.zeros(node.numel(), s_max, dtype=torch.long, device=device)
         cur = node.clone()
@@ -331,7 +335,9 @@ def commit(
     tokens = torch.cat([advances[a].tokens for a in kept])
     # the source side only changes when an item finished (every beam of an item shares it)
     enc = live.enc if len(kept) == len(advances) else live.enc.select(dec.rows(item_rows(kept_t, k), guided))
-    return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, dec.embed(tokens[:, None], guided), enc)
+    lengths = [live.lengths[a] + n for a, n in zip(kept, steps_l)]
+    return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, lengths,
+                 dec.embed(tokens[:, None], guided), enc)
 
 
 def _per_row(rows: Tensor, r_n: int) -> Tensor:

@@ -172,16 +172,18 @@ def _cycle(
     acc = _accept(target_logits, drafts, q, cfg, generator, limit)
     clock.add("draft", t0, t1)
     clock.add("verify", t1, clock.mark())
-    # one read-back: accepted, next token, and each verified position's logit sum (in float64: NaN or
-    # +-inf exactly where a logit is; the counts are exact too)
+    # one read-back: accepted, next token, each verified position's logit sum (in float64: NaN or +-inf
+    # exactly where a logit is; the counts and tokens are exact too), the drafts and each row's proposed count
     sums = target_logits.sum(dim=-1, dtype=torch.float64)
-    read = torch.cat((acc.accepted[:, None].to(sums.dtype), acc.next_token[:, None].to(sums.dtype), sums), dim=1).tolist()
+    n, s = sums.shape[1], 0 if drafts is None else drafts.shape[1]
+    parts = [acc.accepted[:, None], acc.next_token[:, None], sums] + [t for t in (drafts, limit) if t is not None]
+    read = torch.cat([t.to(sums.dtype).view(sums.shape[0], -1) for t in parts], dim=1).tolist()
     accepted = [int(r[0]) for r in read]
-    drafted = drafts.tolist() if drafts is not None else [[] for _ in accepted]
+    drafted = [[int(v) for v in r[2 + n : 2 + n + s]] for r in read]
     proposed = None  # drafts each row proposed this cycle
     if drafts is not None:
-        proposed = limit.tolist() if limit is not None else [drafts.shape[1]] * len(accepted)
-    _count(stats, accepted, proposed, len(drafted[0]), gamma)
+        proposed = [int(r[-1]) for r in read] if limit is not None else [s] * len(accepted)
+    _count(stats, accepted, proposed, s, gamma)
     new = []
     for r, (d, k, row) in enumerate(zip(drafted, accepted, read)):
         # the row's tokens come from p_0..p_k and q_0..q_k (q_k: the draft it stopped at, if proposed): the

@@ -239,16 +239,17 @@ class StaticCompiled(TorchEager):
                     torch._dynamo.mark_static_address(t)
         return graph
 
-    def _inputs(self, enc: Encoded, cache: KVCache, end: int) -> tuple:
+    def _inputs(self, enc: Encoded, cache: KVCache, end: int | None = None) -> tuple:
         """The cache, the source K/V and mask, and rotary tables cut to the cache's capacity (shapes from
-        the buckets only)."""
+        the buckets only). `end`: one past the furthest slot the call writes when the host knows it;
+        else the cache counts as written up to its capacity (the slots are device values: reading them
+        back would wait for the device; the loops grow the cache before each call, so every slot
+        written is within it)."""
         if cache.table is not None:
             raise ValueError("static steps need a cache by value")
-        if end > cache.capacity:
-            raise ValueError(f"end {end} exceeds the cache capacity {cache.capacity}")
         dec = self.dec
         dec._rope_to(cache.capacity, cache)
-        k_all, v_all = cache.buffers(end)
+        k_all, v_all = cache.buffers(cache.capacity if end is None else end)
         if k_all.device.type == "cuda":
             torch._dynamo.mark_static_address(k_all)
             torch._dynamo.mark_static_address(v_all)
@@ -270,7 +271,7 @@ class StaticCompiled(TorchEager):
         """`steps` steps for every row, one compiled graph each, nothing read back: the caller checks for
         EOS once per call and discards what follows it."""
         dec, guided = self.dec, enc.guided
-        inputs = self._inputs(enc, cache, int(pos.max()) + steps)
+        inputs = self._inputs(enc, cache)
         step = self._graph(_plain_step, x.device, heads=dec.heads, cfg=_key(cfg), guided=guided,
                            scale=float(cond_scale) if guided else 1.0)
         row_pos, x = dec.per_row(pos, guided), x.contiguous()  # inputs as every later step's: one graph
@@ -294,7 +295,7 @@ class StaticCompiled(TorchEager):
         tokens can differ from the step-by-step loop's when every row stopped early (each is still
         exact: the output law is the target's)."""
         dec, guided = self.dec, enc.guided
-        inputs = self._inputs(enc, cache, int(pos.max()) + gamma + 1)
+        inputs = self._inputs(enc, cache)
         static = dict(heads=dec.heads, guided=guided, scale=float(cond_scale) if guided else 1.0)
         step = self._graph(_draft_step, x.device, exit_layer=dec.exit_layer, cfg=_key(cfg),
                            stops=confidence is not None, **static)
@@ -325,16 +326,15 @@ class StaticCompiled(TorchEager):
     ) -> Tensor:
         """A tree pass (explicit positions and a boolean mask over the cache's whole capacity, as speculative
         beam search builds them on a backend with `static_shapes`) runs as one graph: padding tokens are
-        computed, not packed (`real` unused), and the cache counts as written up to its capacity (the
-        slots are device tensors: reading their maximum would wait for the device). Any other pass runs
-        on torch's ops (no search loop makes one under compile: tests/test_compiled.py counts them)."""
+        computed, not packed (`real` unused). Any other pass runs on torch's ops (no search loop makes
+        one under compile: tests/test_compiled.py counts them)."""
         tree = (positions is not None and attn_mask is not None and attn_mask.dtype == torch.bool
                 and attn_mask.shape[-1] == cache.capacity)
         if not tree:
             return super().run_layers(x, start, layers, enc, cache, attn_mask, positions, real)
         rows, n = x.shape[:2]
         slots = torch.arange(n, device=x.device) + (start[:, None] if isinstance(start, Tensor) else start)
-        inputs = self._inputs(enc, cache, cache.capacity)
+        inputs = self._inputs(enc, cache)
         graph = self._graph(_tree, x.device, heads=self.dec.heads, first=layers.start, stop=layers.stop)
         for i in layers:
             self.dec.layer_evals[i] += rows * n
@@ -348,8 +348,7 @@ class StaticCompiled(TorchEager):
             pos = torch.arange(start, start + n, device=x.device).expand(rows, n)
             end = start + n
         else:
-            pos = start[:, None] + torch.arange(n, device=x.device)
-            end = int(start.max()) + n
+            pos, end = start[:, None] + torch.arange(n, device=x.device), None
         inputs = self._inputs(enc, cache, end)
         graph = self._graph(_run, x.device, heads=self.dec.heads, first=layers.start, stop=layers.stop, head=True)
         for i in layers:

@@ -1,0 +1,107 @@
+"""How often the search loops read device values back to the host under `compile=True`, the GPU path: on
+a GPU each read waits for the device, so the bookkeeping between graphs must read rarely. Counted on the
+CPU with a torch function mode around everything but the static steps themselves, which run uncompiled
+here (the same functions `torch.compile` captures; that they read nothing is what fullgraph=True proves in
+tests/test_compiled.py). The bounds are what the loops read now: a change that adds a read per step or
+per cycle fails here."""
+
+from functools import partial
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tts_specdec import SpeculativeDecoder, speculative
+from tts_specdec.backends import StaticCompiled
+
+from conftest import make_source
+from test_spec_beam import draft_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# tensor methods and functions whose result on the host depends on device values
+READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "bincount", "unique",
+         "masked_select", "numpy"}
+
+
+class HostReads(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+def _uncompiled(self, fn, device, **static):
+    """`StaticCompiled._graph` without torch.compile: the step function itself, run with torch function
+    dispatch off (its ops are the graph's, not the loop's)."""
+    step = partial(fn, **static)
+
+    def run(*args):
+        with torch._C.DisableTorchFunction():
+            return step(*args)
+
+    return run
+
+
+@pytest.fixture
+def dec(monkeypatch):
+    """The partial draft (some cycles commit several steps), float64, on the static path with every item
+    running to max_length (no EOS): steps and cycles are counted alike in every mode."""
+    monkeypatch.setattr(StaticCompiled, "_graph", _uncompiled)
+    d = SpeculativeDecoder(draft_model("partial", dtype=torch.float64), compile="eager")
+    d.decoder.eos_id = None
+    return d
+
+
+SOURCE = make_source(2, 7, seed=5)
+MAX_LEN = 40
+# reads once per decode, before the loop: the source's checks and the encoder's
+SETUP = 6
+
+
+def _count(run):
+    with HostReads() as reads:
+        out = run()
+    assert [t.numel() for t in out.tokens] == [MAX_LEN] * 2
+    return reads, out.stats
+
+
+def test_plain_beam_search_reads_once_per_step(dec):
+    """One read per beam step: the ranked candidates (scores and indices together); the beams' reorder
+    and the results read nothing more."""
+    reads, stats = _count(lambda: dec.beam_search(SOURCE, beam_size=3, max_length=MAX_LEN, gamma=0))
+    assert stats.steps == MAX_LEN
+    assert reads.total <= stats.steps + SETUP, reads.calls
+
+
+@pytest.mark.parametrize("semantics", ["standard", "upstream"])
+def test_speculative_beam_search_reads(dec, semantics):
+    """Per cycle: the draft tree's (parent, token) pairs and one read per beam step replayed (the one that
+    left the tree included), nothing to size the passes (static shapes)."""
+    reads, stats = _count(lambda: dec.beam_search(SOURCE, beam_size=3, max_length=MAX_LEN, gamma=3, draft_width=4,
+                                                  beam_semantics=semantics))
+    cycles, replayed = stats.steps, sum(n * c for n, c in enumerate(stats.committed_hist))
+    assert any(stats.committed_hist[2:]), stats.committed_hist  # some cycles committed several steps
+    results = SOURCE.shape[0] if semantics == "upstream" else 0  # spear-tts's: each item's first beam's score
+    assert reads.total <= cycles + replayed + results + SETUP, (reads.calls, cycles, replayed)
+
+
+@pytest.mark.parametrize("gamma,confidence", [(0, None), (4, None), (4, 0.6)], ids=["plain", "spec", "stops"])
+def test_sampling_reads_once_per_cycle(dec, gamma, confidence):
+    """Plain sampling: one read per run of up to PLAIN_STEPS steps; speculative sampling (draft stops
+    too): one per cycle (accepted counts, next tokens, checks, drafts and proposed counts together)."""
+    reads, stats = _count(lambda: dec.sample(SOURCE, temperature=1.0, gamma=gamma, draft_confidence=confidence,
+                                             max_length=MAX_LEN, generator=torch.Generator().manual_seed(0)))
+    calls = -(-MAX_LEN // speculative.PLAIN_STEPS) if gamma == 0 else stats.target_passes
+    if gamma:
+        assert stats.drafted and stats.accepted  # cycles drafted and accepted
+    assert reads.total <= calls + SETUP, reads.calls
