@@ -190,6 +190,31 @@ def _count_torch_passes(monkeypatch) -> list:
     return calls
 
 
+def test_cache_buffers_are_reused_once_free(compiled):
+    """The static backend hands a new cache the K/V buffers of the last cache of its shape once that
+    cache is gone (CUDA graphs read the cache in place: a fixed address spares a re-recording per
+    decode), zeroed, and never the buffers of a cache still alive."""
+    dec = compiled["plain"].decoder
+    first = dec.new_cache(2, 64)
+    address = first.k.data_ptr()
+    first.k.fill_(float("nan"))
+    del first
+    second = dec.new_cache(2, 64)
+    assert second.k.data_ptr() == address and not second.k.any() and not second.v.any()
+    third = dec.new_cache(2, 64)  # second is alive: fresh buffers
+    assert third.k.data_ptr() != address
+    assert dec.new_cache(3, 64).k.shape[1] == 3  # another shape: its own buffers
+
+
+def test_decodes_repeat_on_reused_buffers(compiled, source):
+    dec = compiled["cfg"]
+    kwargs = dict(temperature=0.0, gamma=3, cond_scale=3.0, max_length=MAX_LEN)
+    runs = [dec.sample(source, **kwargs).tokens for _ in range(2)]
+    assert_same_tokens(*runs)
+    beams = [dec.beam_search(source, beam_size=3, gamma=2, max_length=12).tokens for _ in range(2)]
+    assert_same_tokens(*beams)
+
+
 def test_capacity_buckets():
     assert [StaticCompiled.capacity(n) for n in (1, 64, 65, 200, 256, 257)] == [64, 64, 128, 256, 256, 512]
     assert TorchEager.capacity(65) == 65
@@ -252,3 +277,62 @@ def test_cuda_seeded_sampling_is_reproducible():
     runs = [dec.sample(["hello there"], temperature=1.0, gamma=0, max_length=100,
                        generator=torch.Generator("cuda").manual_seed(7)).tokens for _ in range(2)]
     assert_same_tokens(*runs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gamma", [0, 2], ids=["beam", "spec-beam"])
+def test_cuda_graphs_beam_search_equals_default_path(gamma):
+    """Beam search (gamma 0) and speculative beam search (its tree passes as CUDA graphs) under compile on
+    the GPU: the default path's hypotheses on the same GPU, a ragged batch of 2."""
+    from tts_specdec.speech import load_default
+
+    model = load_default().model.cuda()
+    texts = ["the quick brown fox jumps over the lazy dog", "hello there"]
+    kwargs = dict(beam_size=4, gamma=gamma, max_length=200)
+    ref = SpeculativeDecoder(model).beam_search(texts, **kwargs)
+    out = SpeculativeDecoder(model, compile=True).beam_search(texts, **kwargs)
+    assert_same_tokens(out.tokens, ref.tokens)
+
+
+@pytest.mark.cuda
+def test_cuda_plain_steps_do_not_synchronise():
+    """A run of compiled plain steps (greedy and sampling) makes no synchronising CUDA call: checked with
+    torch.cuda.set_sync_debug_mode("error") on a call after the graphs were recorded (the loop's one
+    read-back per run is the caller's, outside the call)."""
+    from tts_specdec.speech import load_default
+
+    model = load_default().model.cuda()
+    for temperature in (0.0, 1.0):
+        tokens = _plain_run(model, temperature, "cuda", check=_no_sync)
+        assert tokens.shape == (1, 8)
+
+
+def _plain_run(model, temperature: float, device: str, check) -> torch.Tensor:
+    """A compiled decoder's `plain_steps` (8 steps from the start token of one sentence), called three
+    times (warm-up, graph recording, first replay), then once more inside `check` (a context manager)."""
+    from tts_specdec.inputs import prepare_source
+
+    dec = SpeculativeDecoder(model, compile=True)
+    d = dec.decoder
+    d.begin()
+    cfg, generator = SamplingConfig(temperature), torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        enc = d.encode(prepare_source(model, ["hello there"]))
+        cache = d.new_cache(enc.rows, 256)
+        pos = torch.zeros(1, dtype=torch.long, device=device)
+        for _ in range(3):
+            d.backend.plain_steps(d.start(1), pos, 8, cfg, generator, enc, cache)
+        with check():
+            tokens, _ = d.backend.plain_steps(d.start(1), pos, 8, cfg, generator, enc, cache)
+    return tokens
+
+
+class _no_sync:
+    """Within: any synchronising CUDA call raises."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")

@@ -33,10 +33,19 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         by_reference: bool = False,
+        buffers: tuple[Tensor, Tensor] | None = None,
     ) -> None:
+        """buffers: K and V storage to take over (zeroed here) instead of new tensors."""
         shape = (layers, rows, kv_heads, capacity, dim_head)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if buffers is None:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            self.k, self.v = buffers
+            if self.k.shape != shape or self.v.shape != shape or (self.k.dtype, self.k.device) != (dtype, device):
+                raise ValueError(f"cache buffers must be {tuple(shape)} {dtype} on {device}")
+            self.k.zero_()  # stale K/V of a finished decode: masked, but a NaN would survive a zero weight
+            self.v.zero_()
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.high = 0  # one past the highest position ever written: bounds reorder copies
         # by reference: the storage row each row reads each slot from (see the module docstring)

@@ -217,10 +217,7 @@ class Decoder:
     def new_cache(self, rows: int, capacity: int, by_reference: bool = False) -> KVCache:
         capacity = self.backend.capacity(capacity)
         self._ensure_rope(capacity)
-        return KVCache(
-            self.depth, rows, self.kv_heads, self.dim_head, capacity, dtype=self.dtype, device=self.device,
-            by_reference=by_reference,
-        )
+        return self.backend.new_cache(rows, capacity, by_reference)
 
     def _rope_to(self, end: int, cache: KVCache) -> None:
         """Rotary tables covering positions below `end` (grown to twice the cache when they fall short)."""

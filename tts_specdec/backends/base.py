@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ..cache import KVCache
+
 if TYPE_CHECKING:
-    from ..cache import KVCache
     from ..decoder import Decoder, Encoded
     from ..sampling import SamplingConfig
 
@@ -42,6 +43,12 @@ class Backend:
     ) -> Tensor:
         """`layers` on x placed at cache slots start..start+n-1 of each row; see `Decoder.run`."""
         raise NotImplementedError
+
+    def new_cache(self, rows: int, capacity: int, by_reference: bool = False) -> KVCache:
+        """An empty cache for the decoder's layers (`capacity` already rounded by `capacity`)."""
+        dec = self.dec
+        return KVCache(dec.depth, rows, dec.kv_heads, dec.dim_head, capacity, dtype=dec.dtype, device=dec.device,
+                       by_reference=by_reference)
 
     @staticmethod
     def capacity(n: int) -> int:
