@@ -191,19 +191,32 @@ def _count_torch_passes(monkeypatch) -> list:
 
 
 def test_cache_buffers_are_reused_once_free(compiled):
-    """The static backend hands a new cache the K/V buffers of the last cache of its shape once that
-    cache is gone (CUDA graphs read the cache in place: a fixed address spares a re-recording per
-    decode), zeroed, and never the buffers of a cache still alive."""
+    """The static backend's caches take K/V storage from a `cache.BufferPool`: the storage of the last
+    cache of the same shape once that cache is gone or moved to other storage (CUDA graphs read the
+    cache in place: a fixed address spares a re-recording per decode), zeroed, and never storage a live
+    cache still holds."""
     dec = compiled["plain"].decoder
+    with torch.inference_mode():  # as the decoding calls run
+        _pool_hands_on_free_storage(dec)
+
+
+def _pool_hands_on_free_storage(dec):
     first = dec.new_cache(2, 64)
     address = first.k.data_ptr()
     first.k.fill_(float("nan"))
     del first
     second = dec.new_cache(2, 64)
     assert second.k.data_ptr() == address and not second.k.any() and not second.v.any()
-    third = dec.new_cache(2, 64)  # second is alive: fresh buffers
-    assert third.k.data_ptr() != address
-    assert dec.new_cache(3, 64).k.shape[1] == 3  # another shape: its own buffers
+    third = dec.new_cache(2, 64)  # second is alive: fresh storage
+    address = third.k.data_ptr()
+    assert address != second.k.data_ptr()
+    del third
+    fourth = dec.new_cache(2, 64)
+    assert fourth.k.data_ptr() == address
+    fourth.reorder(torch.tensor([1]))  # a row dropped: fourth moves to 1-row storage, its 2-row one is free
+    assert fourth.k.shape[1] == 1 and dec.new_cache(2, 64).k.data_ptr() == address
+    fourth.grow(200)  # doubling to a power of two: 64 -> 256
+    assert fourth.capacity == 256
 
 
 def test_decodes_repeat_on_reused_buffers(compiled, source):

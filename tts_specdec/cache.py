@@ -13,6 +13,8 @@ slot once, in step (plain beam search), not for rollback or slot moves (those ra
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -33,19 +35,11 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         by_reference: bool = False,
-        buffers: tuple[Tensor, Tensor] | None = None,
+        pool: BufferPool | None = None,
     ) -> None:
-        """buffers: K and V storage to take over (zeroed here) instead of new tensors."""
-        shape = (layers, rows, kv_heads, capacity, dim_head)
-        if buffers is None:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
-        else:
-            self.k, self.v = buffers
-            if self.k.shape != shape or self.v.shape != shape or (self.k.dtype, self.k.device) != (dtype, device):
-                raise ValueError(f"cache buffers must be {tuple(shape)} {dtype} on {device}")
-            self.k.zero_()  # stale K/V of a finished decode: masked, but a NaN would survive a zero weight
-            self.v.zero_()
+        """pool: where K/V storage comes from (buffers of caches that are gone) instead of new tensors."""
+        self.pool = pool
+        self.k, self.v = self._new((layers, rows, kv_heads, capacity, dim_head), dtype, device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.high = 0  # one past the highest position ever written: bounds reorder copies
         # by reference: the storage row each row reads each slot from (see the module docstring)
@@ -128,8 +122,10 @@ class KVCache:
             self.k[:, :, :, :high] = self.k[:, :, :, :high].index_select(1, index)
             self.v[:, :, :, :high] = self.v[:, :, :, :high].index_select(1, index)
         else:
-            self.k = self._gathered(self.k, index, high)
-            self.v = self._gathered(self.v, index, high)
+            old = self.k, self.v
+            self.k, self.v = self._new((old[0].shape[0], index.numel(), *old[0].shape[2:]), old[0].dtype, old[0].device)
+            for new, before in zip((self.k, self.v), old):
+                new[:, :, :, :high] = before[:, index, :, :high]
             self._per_layer()
         self.lengths = self.lengths[index]
 
@@ -152,12 +148,14 @@ class KVCache:
         """Make room for at least `capacity` positions (keeps contents)."""
         if capacity <= self.capacity:
             return
-        capacity = max(capacity, 2 * self.capacity)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:3], capacity, old.shape[4])
-            new[:, :, :, : self.high] = old[:, :, :, : self.high]
-            setattr(self, name, new)
+        grown = 2 * self.capacity
+        while grown < capacity:  # doubling: a capacity of power-of-two buckets stays in them
+            grown *= 2
+        capacity = grown
+        old = self.k, self.v
+        self.k, self.v = self._new((*old[0].shape[:3], capacity, old[0].shape[4]), old[0].dtype, old[0].device)
+        for new, before in zip((self.k, self.v), old):
+            new[:, :, :, : self.high] = before[:, :, :, : self.high]
         if self.table is not None:  # slots not yet written: each row's own (until written, never read)
             table = self._own(self.table.shape[0], capacity)
             table[:, : self.high] = self.table[:, : self.high]
@@ -174,8 +172,39 @@ class KVCache:
     def _own(self, rows: int, capacity: int) -> Tensor:
         return torch.arange(rows, device=self.lengths.device)[:, None].repeat(1, capacity)
 
-    @staticmethod
-    def _gathered(t: Tensor, index: Tensor, high: int) -> Tensor:
-        out = t.new_zeros(t.shape[0], index.numel(), *t.shape[2:])
-        out[:, :, :, :high] = t[:, index, :, :high]
-        return out
+    def _new(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Zeroed K and V storage of `shape`."""
+        if self.pool is not None:
+            return self.pool.take(shape, dtype, device, self)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+class BufferPool:
+    """K/V storage handed on from caches that are gone, or that moved to other storage, to new storage
+    requests of the same shape (the most recent `shapes` shapes are kept). A captured CUDA graph reads
+    the cache at a fixed address: fresh storage for every decode would make each graph record again."""
+
+    def __init__(self, shapes: int = 8) -> None:
+        self.shapes = shapes
+        self._held: dict[tuple, tuple[Tensor, Tensor, weakref.ref]] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, owner: KVCache
+             ) -> tuple[Tensor, Tensor]:
+        """Zeroed K and V of `shape` for `owner`: the last ones of this shape unless their cache still
+        holds them."""
+        key = (tuple(shape), dtype, torch.device(device))
+        held = self._held.pop(key, None)
+        if held is not None:
+            cache = held[2]()
+            if cache is not None and cache.k is held[0]:
+                held = None
+            elif held[0].is_inference() and not torch.is_inference_mode_enabled():
+                held = None  # made under torch.inference_mode: only writable there
+        if held is None:
+            k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            k, v = held[0].zero_(), held[1].zero_()  # stale K/V are masked, but NaN * a zero weight is NaN
+        self._held[key] = (k, v, weakref.ref(owner))
+        while len(self._held) > self.shapes:
+            del self._held[next(iter(self._held))]  # the least recently taken shape
+        return k, v

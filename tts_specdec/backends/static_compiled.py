@@ -21,7 +21,6 @@ found on the device after gamma draft steps (`StaticCompiled.draft_phase`).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Callable
@@ -30,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..cache import KVCache
+from ..cache import BufferPool, KVCache
 from ..finite import marked
 from ..sampling import cfg_mix, filter_logits
 from ..weights import _t, _unit, rotate
@@ -216,7 +215,7 @@ class StaticCompiled(TorchEager):
         self.compile_backend = compile_backend
         self.w = _weights_of(dec)
         self._graphs: dict[tuple, Callable] = {}
-        self._pool: dict[tuple, tuple[Tensor, Tensor, weakref.ref]] = {}
+        self._pool = BufferPool(POOLED_SHAPES)
         if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
 
@@ -226,23 +225,12 @@ class StaticCompiled(TorchEager):
         return max(MIN_CAPACITY, 1 << (n - 1).bit_length())
 
     def new_cache(self, rows: int, capacity: int, by_reference: bool = False) -> KVCache:
-        """A cache on the K/V buffers of an earlier cache of the same shape once that one is gone (or
-        holds others): a captured CUDA graph reads the cache at a fixed address, and a new address for
-        every decode would make each graph record again (and, past torch's limit on those, run
-        without CUDA graphs)."""
+        """A cache whose storage comes from this backend's `cache.BufferPool`: captured CUDA graphs keep
+        reading the same addresses from one decode to the next (a new address makes a graph record
+        again and, past torch's limit on those, run without CUDA graphs)."""
         dec = self.dec
-        key = (rows, capacity, by_reference)
-        pooled = self._pool.pop(key, None)
-        if pooled is not None:
-            owner = pooled[2]()
-            if owner is not None and owner.k is pooled[0]:  # still in use: that cache keeps them
-                pooled = None
-        cache = KVCache(dec.depth, rows, dec.kv_heads, dec.dim_head, capacity, dtype=dec.dtype, device=dec.device,
-                        by_reference=by_reference, buffers=None if pooled is None else pooled[:2])
-        self._pool[key] = (cache.k, cache.v, weakref.ref(cache))
-        while len(self._pool) > POOLED_SHAPES:
-            del self._pool[next(iter(self._pool))]  # the least recently used shape
-        return cache
+        return KVCache(dec.depth, rows, dec.kv_heads, dec.dim_head, capacity, dtype=dec.dtype, device=dec.device,
+                       by_reference=by_reference, pool=self._pool)
 
     def _graph(self, fn: Callable, device: torch.device, **static) -> Callable:
         """`fn` with its keyword-only arguments bound to `static`, compiled once per (fn, arguments)."""
