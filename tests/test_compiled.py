@@ -261,6 +261,17 @@ def test_inductor_greedy_equals_default_path():
     assert_same_tokens(SpeculativeDecoder(model, compile=True).sample(source, **kwargs).tokens, ref.tokens)
 
 
+def test_inductor_speculative_beam_equals_default_path():
+    """inductor's code for the tree passes (draft levels, verify) and the beam step: float32, a ragged
+    batch of 2."""
+    model = make_model(3, std=0.3)
+    source = make_source(2, 6, seed=1, lengths=[6, 4])
+    kwargs = dict(beam_size=3, gamma=2, max_length=12)
+    ref = SpeculativeDecoder(model).beam_search(source, **kwargs)
+    out = SpeculativeDecoder(model, compile=True).beam_search(source, **kwargs)
+    assert_same_tokens(out.tokens, ref.tokens)
+
+
 # ---- GPU (skipped without CUDA) ----------------------------------------------------------------------
 
 
