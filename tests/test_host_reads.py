@@ -1,9 +1,9 @@
-"""How often the search loops read device values back to the host under `compile=True`, the GPU path: on
-a GPU each read waits for the device, so the bookkeeping between graphs must read rarely. Counted on the
-CPU with a torch function mode around everything but the static steps themselves, which run uncompiled
-here (the same functions `torch.compile` captures; that they read nothing is what fullgraph=True proves in
-tests/test_compiled.py). The bounds are what the loops read now: a change that adds a read per step or
-per cycle fails here."""
+"""How often the search loops read device values back to the host, or send host data to the device, under
+`compile=True`, the GPU path: on a GPU each waits for the device, so the bookkeeping between graphs must
+do either rarely. Counted on the CPU with a torch function mode around everything but the static steps
+themselves, which run uncompiled here (the same functions `torch.compile` captures; that they read
+nothing is what fullgraph=True proves in tests/test_compiled.py). The bounds are what the loops do now:
+a change that adds a read or a send per step or per cycle fails here."""
 
 from functools import partial
 
@@ -25,15 +25,26 @@ READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "non
 
 
 class HostReads(TorchFunctionMode):
+    """Counts reads (`READS`) and sends: host data copied to the model's device (`torch.tensor` with a
+    device, `Tensor.to` a device), which PyTorch also completes before going on (it waits for the GPU's
+    queue)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[str, int] = {}
+        self.sends = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in READS:
             self.calls[name] = self.calls.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+        elif name in ("tensor", "as_tensor") and kwargs.get("device") is not None:
+            self.sends += 1
+        elif name == "to" and (kwargs.get("device") is not None or any(
+                isinstance(a, (torch.device, str)) for a in args[1:])):
+            self.sends += 1
+        return func(*args, **kwargs)
 
     @property
     def total(self) -> int:
@@ -64,8 +75,9 @@ def dec(monkeypatch):
 
 SOURCE = make_source(2, 7, seed=5)
 MAX_LEN = 40
-# reads once per decode, before the loop: the source's checks and the encoder's
+# reads and sends once per decode, around the loop: the source's checks, the encoder's, the results
 SETUP = 6
+SETUP_SENDS = 5
 
 
 def _count(run):
@@ -77,10 +89,11 @@ def _count(run):
 
 def test_plain_beam_search_reads_once_per_step(dec):
     """One read per beam step: the ranked candidates (scores and indices together); the beams' reorder
-    and the results read nothing more."""
+    and the results read nothing more, and no step sends anything."""
     reads, stats = _count(lambda: dec.beam_search(SOURCE, beam_size=3, max_length=MAX_LEN, gamma=0))
     assert stats.steps == MAX_LEN
     assert reads.total <= stats.steps + SETUP, reads.calls
+    assert reads.sends <= SETUP_SENDS  # none per step: the new beams are computed on the device too
 
 
 @pytest.mark.parametrize("semantics", ["standard", "upstream"])
@@ -93,6 +106,7 @@ def test_speculative_beam_search_reads(dec, semantics):
     assert any(stats.committed_hist[2:]), stats.committed_hist  # some cycles committed several steps
     results = SOURCE.shape[0] if semantics == "upstream" else 0  # spear-tts's: each item's first beam's score
     assert reads.total <= cycles + replayed + results + SETUP, (reads.calls, cycles, replayed)
+    assert reads.sends <= cycles + SETUP_SENDS  # one per cycle: the committed beams' tree nodes
 
 
 @pytest.mark.parametrize("gamma,confidence", [(0, None), (4, None), (4, 0.6)], ids=["plain", "spec", "stops"])
@@ -105,3 +119,4 @@ def test_sampling_reads_once_per_cycle(dec, gamma, confidence):
     if gamma:
         assert stats.drafted and stats.accepted  # cycles drafted and accepted
     assert reads.total <= calls + SETUP, reads.calls
+    assert reads.sends <= SETUP_SENDS + SOURCE.shape[0]  # none per cycle: positions advance on the device

@@ -156,12 +156,14 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     if all(math.isfinite(v) for row in best for v in row) and (
         state.eos_id is None or all(f % vocab != state.eos_id for row in flat for f in row)
     ):
-        # the common case: no EOS and no -inf among the K best, so they are the new beams
+        # the common case: no EOS and no -inf among the K best, so they are the new beams (computed on
+        # both sides: copying the host's lists to a GPU would wait for it)
         host = ([i * k + f // vocab for i, row in enumerate(flat) for f in row],
                 [f % vocab for row in flat for f in row], [v for row in best for v in row])
-        parents = torch.tensor(host[0], device=device).view(a, k)
-        tokens = torch.tensor(host[1], device=device).view(a, k)
-        scores = top_scores[:, :k].to(device, torch.float64)  # the float32 values of `best`, exactly
+        best_index = top_index[:, :k]
+        parents = torch.arange(a, device=device)[:, None] * k + torch.div(best_index, vocab, rounding_mode="floor")
+        tokens = best_index % vocab
+        scores = top_scores[:, :k].to(torch.float64)  # the float32 values of `best`, exactly
     else:
         parents, tokens, scores, host = _walk(state, *read, vocab, norm)
     best_live = host[2][::k]  # beams are in score order
@@ -211,8 +213,8 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
     order = cand.sort(dim=1, descending=True).indices[:, :k]  # (a, K) flat index beam * K + rank
     beam = torch.div(order, k, rounding_mode="floor")
     parents = (beam + torch.arange(a, device=device)[:, None] * k).flatten()
-    tokens = top_tokens.flatten(1).gather(1, order).flatten().to(device)
-    state.scores = cand.gather(1, order).to(device, torch.float64)
+    tokens = top_tokens.flatten(1).gather(1, order).flatten()
+    state.scores = cand.gather(1, order).to(torch.float64)
     state.tokens = torch.cat((state.tokens[parents], tokens[:, None]), dim=1)
     state.ended = state.ended[parents]
     if state.eos_id is not None:

@@ -308,11 +308,11 @@ def commit(
     device, k = live.pos.device, live.states[0].beam_size
     if not kept:
         return _Live([], [], live.pos[:0], [], live.x[:0], live.enc)
-    kept_t = torch.tensor(kept, dtype=torch.long, device=device)
     steps_l = [advances[a].steps for a in kept]
-    steps = torch.tensor(steps_l, dtype=torch.long, device=device)
+    # one copy to the device (each copy of host data waits for a GPU): kept items, their steps, the nodes
+    sent = torch.tensor(kept + steps_l + [p for a in kept for p in advances[a].parents], device=device)
+    kept_t, steps, node = sent[: len(kept)], sent[len(kept) : 2 * len(kept)], sent[2 * len(kept) :]
     pos = live.pos[kept_t] + steps
-    node = torch.tensor([p for a in kept for p in advances[a].parents], dtype=torch.long, device=device)
     cache.reorder(dec.rows(tree.row[node], guided))
     # the accepted path of each new beam: ancestors of its parent node at depths 1..steps-1
     s_max = max(steps_l) - 1

@@ -64,6 +64,7 @@ class _Rows:
     index: list[int]  # original row of each active sequence
     pos: list[int]  # committed positions = position of the pending input
     x: Tensor  # (rows, 1, dim) pending input embedding (not yet through any layer)
+    pos_t: Tensor  # the committed positions on the device, advanced there (a copy of `pos` would wait for a GPU)
 
 
 def sample_loop(
@@ -98,7 +99,7 @@ def sample_loop(
     enc = dec.encode(source, guide.on, source_mask)
     cache = dec.new_cache(enc.rows, min(max_length, 256) + gamma + 2)
     out: list[list[int]] = [[] for _ in range(batch)]
-    rows = _Rows(list(range(batch)), [0] * batch, dec.start(enc.rows))
+    rows = _Rows(list(range(batch)), [0] * batch, dec.start(enc.rows), torch.zeros(batch, dtype=torch.long, device=device))
     clock = PhaseClock(device)
 
     while rows.index:
@@ -107,18 +108,18 @@ def sample_loop(
         # plain sampling runs PLAIN_STEPS steps per kernel call (rows advance together: same length)
         steps = g or min(PLAIN_STEPS, max_length - len(out[rows.index[0]]))
         cache.grow(max(rows.pos) + steps + 2)
-        pos_t = torch.tensor(rows.pos, device=device)
+        pos_t = rows.pos_t
         t0 = clock.mark()
         if not g:  # plain steps, several per call where the backend fuses them
             tokens, rows.x = dec.backend.plain_steps(rows.x, pos_t, steps, cfg, generator, enc, cache, cond_scale)
-            new = tokens.tolist()
+            new, advance = tokens.tolist(), tokens.shape[1]
             clock.add("verify", t0, clock.mark())
             _count(stats, [], None, 0, 0, passes=tokens.shape[1])
             if auto is not None:
                 auto.plain(tokens.shape[1])
         else:
-            new, rows.x, accepted, proposed = _cycle(dec, rows.x, pos_t, g, upper, enc, cache, cfg, generator,
-                                                     guide, confidence, stats, clock)
+            new, rows.x, accepted, proposed, advance = _cycle(dec, rows.x, pos_t, g, upper, enc, cache, cfg,
+                                                              generator, guide, confidence, stats, clock)
             if auto is not None:
                 auto.observe(accepted, proposed)
         # commit: each row's new tokens (a plain run, or accepted drafts and the correction/bonus token);
@@ -134,7 +135,10 @@ def sample_loop(
             out[i].extend(tokens[: max_length - len(out[i])])
             if not ended:
                 keep.append(r)
-        cache.crop(dec.per_row(torch.tensor(rows.pos, device=device), guide.on))
+        # a row that goes on took exactly its `advance` (accepted drafts and the next token; a plain run's
+        # steps): the device's positions stay equal to `rows.pos` (an ended row's are dropped below)
+        rows.pos_t = pos_t + advance
+        cache.crop(dec.per_row(rows.pos_t, guide.on))
         if progress is not None:
             progress(max(len(o) for o in out))
         if len(keep) < len(rows.index):
@@ -142,7 +146,8 @@ def sample_loop(
             cache_rows = dec.rows(keep_t, guide.on)
             cache.reorder(cache_rows)
             enc = enc.select(cache_rows)
-            rows = _Rows([rows.index[r] for r in keep], [rows.pos[r] for r in keep], rows.x[cache_rows])
+            rows = _Rows([rows.index[r] for r in keep], [rows.pos[r] for r in keep], rows.x[cache_rows],
+                         rows.pos_t[keep_t])
     clock.into(stats)
     stats.generated_tokens += sum(len(o) for o in out)
     return [torch.tensor(o, dtype=torch.long, device=device) for o in out]
@@ -152,11 +157,11 @@ def _cycle(
     dec: Decoder, x0: Tensor, pos_t: Tensor, gamma: int, upper: range, enc, cache, cfg: SamplingConfig,
     generator: torch.Generator | None, guide: _Guidance, draft_confidence: float | None, stats: DecodeStats,
     clock: PhaseClock,
-) -> tuple[list[list[int]], Tensor, list[int], list[int] | None]:
+) -> tuple[list[list[int]], Tensor, list[int], list[int] | None, Tensor]:
     """One draft -> verify -> accept cycle (gamma = 0: one plain step) from each row's pending input x0
     (rows, 1, dim) at pos_t; returns each sequence's new tokens (accepted drafts, then the correction or
-    bonus token), the next pending input, and each sequence's accepted and proposed drafts (None
-    without drafts)."""
+    bonus token), the next pending input, each sequence's accepted and proposed drafts (None without
+    drafts), and on the device how many tokens each sequence took (accepted + 1)."""
     t0 = clock.mark()
     start = dec.start_of(pos_t, guide.on)
     # draft: gamma tokens from the exit head, keeping every exit state for the target
@@ -197,7 +202,7 @@ def _cycle(
                 new.append(d[:j] + [NONFINITE_DRAFT])
                 continue
         new.append(d[:k] + [int(row[1])] if bad is None else d[:bad] + [NONFINITE])
-    return new, dec.embed(acc.next_token[:, None], guide.on), accepted, proposed
+    return new, dec.embed(acc.next_token[:, None], guide.on), accepted, proposed, acc.accepted + 1
 
 
 def probe_cycle(dec: Decoder, x: Tensor, pos: Tensor, gamma: int, enc: Encoded, cache: KVCache) -> float:
