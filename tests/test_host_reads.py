@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tts_specdec import SpeculativeDecoder, speculative
+from tts_specdec import SpeculativeDecoder, beam, speculative
 from tts_specdec.backends import StaticCompiled
 
 from conftest import make_source
@@ -68,6 +68,7 @@ def dec(monkeypatch):
     """The partial draft (some cycles commit several steps), float64, on the static path with every item
     running to max_length (no EOS): steps and cycles are counted alike in every mode."""
     monkeypatch.setattr(StaticCompiled, "_graph", _uncompiled)
+    monkeypatch.setattr(beam, "transfers_wait", lambda device: True)  # as on a GPU
     d = SpeculativeDecoder(draft_model("partial", dtype=torch.float64), compile="eager")
     d.decoder.eos_id = None
     return d

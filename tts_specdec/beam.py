@@ -156,13 +156,16 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     if all(math.isfinite(v) for row in best for v in row) and (
         state.eos_id is None or all(f % vocab != state.eos_id for row in flat for f in row)
     ):
-        # the common case: no EOS and no -inf among the K best, so they are the new beams (computed on
-        # both sides: copying the host's lists to a GPU would wait for it)
+        # the common case: no EOS and no -inf among the K best, so they are the new beams
         host = ([i * k + f // vocab for i, row in enumerate(flat) for f in row],
                 [f % vocab for row in flat for f in row], [v for row in best for v in row])
-        best_index = top_index[:, :k]
-        parents = torch.arange(a, device=device)[:, None] * k + torch.div(best_index, vocab, rounding_mode="floor")
-        tokens = best_index % vocab
+        if transfers_wait(device):  # formed on the device from the same indices
+            best_index = top_index[:, :k]
+            parents = torch.arange(a, device=device)[:, None] * k + torch.div(best_index, vocab, rounding_mode="floor")
+            tokens = best_index % vocab
+        else:  # on the CPU two tensors from the lists cost less than the five ops above
+            parents = torch.tensor(host[0], device=device).view(a, k)
+            tokens = torch.tensor(host[1], device=device).view(a, k)
         scores = top_scores[:, :k].to(torch.float64)  # the float32 values of `best`, exactly
     else:
         parents, tokens, scores, host = _walk(state, *read, vocab, norm)
@@ -191,9 +194,18 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
                       tuple([h[r] for r in host_rows] for h in host))
 
 
+def transfers_wait(device: torch.device) -> bool:
+    """Whether a copy between the host and `device` waits for the device's queued work (PyTorch completes
+    such a copy before going on): on an accelerator a loop reads back as rarely as it can and forms its
+    small tensors on the device; on the CPU plain copies are the cheaper way."""
+    return device.type != "cpu"
+
+
 def _read(top_scores: Tensor, top_index: Tensor) -> tuple[list[list[float]], list[list[int]]]:
-    """The ranked candidates' scores and flat indices of every item, in one read-back (float64 holds
-    both exactly)."""
+    """The ranked candidates' scores and flat indices of every item: in one read-back where that waits
+    (float64 holds both exactly), else two."""
+    if not transfers_wait(top_scores.device):
+        return top_scores.tolist(), top_index.tolist()
     read = torch.stack((top_scores.to(torch.float64), top_index.to(torch.float64))).tolist()
     return read[0], [[int(f) for f in row] for row in read[1]]
 
