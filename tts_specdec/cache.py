@@ -113,7 +113,7 @@ class KVCache:
             if index.numel() > self.k.shape[1]:
                 raise ValueError("a cache by reference cannot gain rows")
             self.table = self.table[index]  # beams share storage; nothing is copied
-        elif index.numel() == self.rows and kernels.available(self.k.device, self.k.dtype):
+        elif index.numel() == self.rows and self.k.is_contiguous() and kernels.available(self.k.device, self.k.dtype):
             kernels.reorder_rows(self.k, index, high)  # one call instead of ~8 indexing kernels
             kernels.reorder_rows(self.v, index, high)
         elif index.numel() == self.rows:
@@ -121,6 +121,15 @@ class KVCache:
             # read the index back to the host (on a GPU, a wait for the device every beam step)
             self.k[:, :, :, :high] = self.k[:, :, :, :high].index_select(1, index)
             self.v[:, :, :, :high] = self.v[:, :, :, :high].index_select(1, index)
+        elif self.pool is not None and index.numel() < self.rows:
+            # fewer rows: gathered into the first rows of the same storage (the pool's caches keep their
+            # storage and its address; what lies past `high` in those rows is other rows' finite K/V,
+            # never attended with a nonzero weight)
+            n = index.numel()
+            self.k[:, :n, :, :high] = self.k[:, index, :, :high]
+            self.v[:, :n, :, :high] = self.v[:, index, :, :high]
+            self.k, self.v = self.k[:, :n], self.v[:, :n]
+            self._per_layer()
         else:
             old = self.k, self.v
             self.k, self.v = self._new((old[0].shape[0], index.numel(), *old[0].shape[2:]), old[0].dtype, old[0].device)
@@ -179,10 +188,15 @@ class KVCache:
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class BufferPool:
-    """K/V storage handed on from caches that are gone, or that moved to other storage, to new storage
-    requests of the same shape (the most recent `shapes` shapes are kept). A captured CUDA graph reads
-    the cache at a fixed address: fresh storage for every decode would make each graph record again."""
+    """K/V storage handed on from caches that are gone, or that moved to other storage (grown), to new
+    storage requests of the same shape (the most recent `shapes` shapes are kept); a pooled cache that
+    drops rows keeps its storage (`KVCache.reorder`). A captured CUDA graph reads the cache at a fixed
+    address: fresh storage for every decode would make each graph record again."""
 
     def __init__(self, shapes: int = 8) -> None:
         self.shapes = shapes
@@ -196,7 +210,7 @@ class BufferPool:
         held = self._held.pop(key, None)
         if held is not None:
             cache = held[2]()
-            if cache is not None and cache.k is held[0]:
+            if cache is not None and _same_storage(cache.k, held[0]):  # still in use (maybe as a view)
                 held = None
             elif held[0].is_inference() and not torch.is_inference_mode_enabled():
                 held = None  # made under torch.inference_mode: only writable there
