@@ -140,8 +140,8 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     new_len = state.length + 1
     norm = new_len**state.length_penalty
     device = state.tokens.device
-    # the K best as Python numbers (one read-back: scores and indices, both exact in float64): a few
-    # dozen values, cheaper to test here than with tensor ops
+    # the ranked candidates as Python numbers (`_read`: one read-back where that waits for the device): a
+    # few dozen values, cheaper to test here than with tensor ops
     read = _read(top_scores, top_index)
     best, flat = [row[:k] for row in read[0]], [row[:k] for row in read[1]]
     if any(v != v for row in best for v in row):

@@ -116,20 +116,17 @@ class KVCache:
         elif index.numel() == self.rows and self.k.is_contiguous() and kernels.available(self.k.device, self.k.dtype):
             kernels.reorder_rows(self.k, index, high)  # one call instead of ~8 indexing kernels
             kernels.reorder_rows(self.v, index, high)
-        elif index.numel() == self.rows:
-            # every row gathered, the right-hand side before writing: finding the rows that moved would
-            # read the index back to the host (on a GPU, a wait for the device every beam step)
-            self.k[:, :, :, :high] = self.k[:, :, :, :high].index_select(1, index)
-            self.v[:, :, :, :high] = self.v[:, :, :, :high].index_select(1, index)
-        elif self.pool is not None and index.numel() < self.rows:
-            # fewer rows: gathered into the first rows of the same storage (the pool's caches keep their
-            # storage and its address; what lies past `high` in those rows is other rows' finite K/V,
-            # never attended with a nonzero weight)
+        elif index.numel() == self.rows or (self.pool is not None and index.numel() < self.rows):
+            # every row gathered into the first rows of the same storage, the right-hand side before
+            # writing (finding the rows that moved would read the index back: on a GPU, a wait every beam
+            # step). Fewer rows: the pool's caches keep their storage and its address as a view; what
+            # lies past `high` in those rows is other rows' finite K/V, never attended with a nonzero weight
             n = index.numel()
             self.k[:, :n, :, :high] = self.k[:, index, :, :high]
             self.v[:, :n, :, :high] = self.v[:, index, :, :high]
-            self.k, self.v = self.k[:, :n], self.v[:, :n]
-            self._per_layer()
+            if n < self.rows:
+                self.k, self.v = self.k[:, :n], self.v[:, :n]
+                self._per_layer()
         else:
             old = self.k, self.v
             self.k, self.v = self._new((old[0].shape[0], index.numel(), *old[0].shape[2:]), old[0].dtype, old[0].device)
