@@ -81,7 +81,7 @@ def test_build_lock_waits_for_a_live_build_then_gives_up(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 14, 15, 29, 40])
 @pytest.mark.parametrize("shape", [(37, 16), (256, 768), (682, 256)])
 def test_equals_torch(rows, shape, threads):
     if not kernels.available():
@@ -121,27 +121,68 @@ def test_equals_torch(rows, shape, threads):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_row_result_independent_of_batch(threads):
-    """A row's product is the same to the bit whatever rows share the call: 1-3 rows take several panels
-    at once and 4 rows one, in the same summation order (speculative == plain relies on it)."""
+def _isas() -> list[str]:
+    """The instruction sets the products can run on here (AVX-512 only where the CPU has it)."""
+    if not kernels.available():
+        return []
+    return ["avx2", "avx512"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else ["avx2"]
+
+
+@pytest.fixture
+def isa_restored():
     if not kernels.available():
         pytest.skip(kernels.unavailable_reason())
+    before = kernels.isa()
+    yield
+    kernels.isa(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_result_independent_of_batch(threads, isa_restored):
+    """A row's product is the same to the bit whatever rows share the call, on every instruction set:
+    few rows take several panels per tile, more rows tiles of up to 6 (AVX2) or 14 (AVX-512) rows, many
+    rows several tiles, all in the same summation order (speculative == plain relies on it)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(7)
-        for shape in [(37, 16), (128, 112), (300, 80), (64, 64)]:  # 1, 7, 5 and 4 panels
+        # 1, 7, 5, 4 and 9 panels: whole groups of 4 and partial ones
+        for shape in [(37, 16), (128, 112), (300, 80), (64, 64), (96, 144)]:
             p = Packed(torch.randn(shape, generator=g))
-            x = torch.randn(9, shape[0], generator=g)
+            x = torch.randn(33, shape[0], generator=g)
             bias = torch.randn(shape[1], generator=g)
-            alone = torch.cat([p(x[i : i + 1], bias, normalize=True) for i in range(9)])
-            for rows in range(1, 10):
-                for first in (0, 9 - rows):
-                    got = p(x[first : first + rows], bias, normalize=True)
-                    assert torch.equal(got, alone[first : first + rows]), (shape, rows, first)
+            for isa in _isas():
+                kernels.isa(isa)
+                alone = torch.cat([p(x[i : i + 1], bias, normalize=True) for i in range(33)])
+                for rows in [*range(1, 17), 20, 28, 29, 33]:
+                    for first in (0, 33 - rows):
+                        got = p(x[first : first + rows], bias, normalize=True)
+                        assert torch.equal(got, alone[first : first + rows]), (isa, shape, rows, first)
     finally:
         torch.set_num_threads(before)
+
+
+def test_instruction_sets_give_the_same_bits(isa_restored):
+    """AVX2 and AVX-512 sum every element in the same order: the same bits (so a result does not
+    depend on the machine's vector width either), for products, residuals and normalised rows."""
+    if len(_isas()) < 2:
+        pytest.skip("this CPU has no AVX-512")
+    g = torch.Generator().manual_seed(3)
+    for rows in (1, 3, 6, 9, 14, 21, 40):
+        w = torch.randn(200, 208, generator=g)  # 13 panels: 3 groups and one panel
+        x, res = torch.randn(rows, 200, generator=g), torch.randn(rows, 208, generator=g)
+        bias = torch.randn(208, generator=g)
+        p = Packed(w)
+        out = {}
+        for isa in ("avx2", "avx512"):
+            kernels.isa(isa)
+            out[isa] = (p(x, bias, res), p(x, normalize=True))
+        assert all(torch.equal(a, b) for a, b in zip(out["avx2"], out["avx512"])), rows
+
+
+def test_isa_rejects_unknown_names(isa_restored):
+    with pytest.raises(RuntimeError, match="isa"):
+        kernels.isa("sse2")
 
 
 def test_rejects_partial_panel():

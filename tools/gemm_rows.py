@@ -1,44 +1,64 @@
-"""Microbenchmark of the CPU kernel's few-row products on weights streamed from memory: the time of an
-n-row product over 40 packed (512, 1536) matrices (126 MB, far beyond the L3 cache) relative to a 1-row
-one. What a verify pass over n tokens costs in products, next to a plain step (docs/performance.md).
+"""Microbenchmark of the CPU kernel's many-row products on weights streamed from memory: the time of
+an n-row product over 40 packed (512, 1536) matrices (126 MB, far beyond the L3 cache) relative to a
+1-row one, row counts interleaved within each repetition. What a verify pass over n tokens costs in
+products, next to a plain step (docs/performance.md).
 
-    .venv/bin/python tools/gemm_rows.py [--threads 2]
+    .venv/bin/python tools/gemm_rows.py [--threads 2] [--isa avx2] [--json benchmarks/gemm_rows.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from tts_specdec import kernels
 from tts_specdec.kernels import Packed
 
+ROWS = (1, 2, 4, 5, 6, 8, 9, 12, 16, 20, 24, 32)
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--isa", choices=["avx2", "avx512"], help="instruction set (default: the best this CPU has)")
+    p.add_argument("--json", type=Path, help="also write the medians here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not kernels.available():
         raise SystemExit(f"the CPU kernels do not run here: {kernels.unavailable_reason()}")
+    isa = kernels.isa(args.isa or "")
     mats = [Packed(torch.randn(512, 1536)) for _ in range(40)]
     size = sum(m.panels.numel() * 4 for m in mats)
-    base = None
-    for rows in (1, 2, 4, 5, 6, 8, 9, 12):
-        x = torch.randn(rows, 512)
-        times = []
-        for _ in range(args.reps):
+    xs = {rows: torch.randn(rows, 512) for rows in ROWS}
+    times: dict[int, list[float]] = {rows: [] for rows in ROWS}
+    for rep in range(args.reps + 1):
+        for rows in ROWS:
             start = time.perf_counter()
             for m in mats:
-                m(x)
-            times.append(time.perf_counter() - start)
-        t = statistics.median(times)
-        base = base or t
-        print(f"rows {rows:2d}: {t * 1e3:6.2f} ms, weights read at {size / t / 1e9:5.1f} GB/s, {t / base:.2f}x of one row")
+                m(xs[rows])
+            if rep:  # the first pass warms up
+                times[rows].append(time.perf_counter() - start)
+    median = {rows: statistics.median(t) for rows, t in times.items()}
+    print(f"{isa}, {args.threads} threads, weights {size / 1e6:.0f} MB, median of {args.reps}")
+    for rows in ROWS:
+        t = median[rows]
+        print(f"rows {rows:2d}: {t * 1e3:6.2f} ms, weights read at {size / t / 1e9:5.1f} GB/s, "
+              f"{2 * rows * size / 4 / t / 1e9:5.1f} GFLOPS, {t / median[1]:.2f}x of one row")
+    if args.json:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+        from benchmark import machine_info
+
+        out = {"command": " ".join(["tools/gemm_rows.py", *sys.argv[1:]]), "machine": machine_info("cpu"), "isa": isa,
+               "threads": args.threads, "weights_mb": size / 1e6,
+               "rows": {str(r): {"ms": median[r] * 1e3, "x_one_row": median[r] / median[1]} for r in ROWS}}
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -40,10 +40,12 @@ except ImportError:  # not POSIX: torch's own lock file only
     fcntl = None
 
 PANEL = 16
+GROUP = 4  # panels per group (kGroup in csrc/small_gemm.cpp)
 # read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
 ENABLED = os.environ.get("TTS_SPECDEC_KERNELS", "1") != "0"
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "accept.cpp", "fingerprint.cpp", "layers.cpp")]
-_HEADER = Path(__file__).with_name("csrc") / "kernels.h"
+# included by the sources: torch does not see them, so their digest is a flag (a change rebuilds)
+_HEADERS = [Path(__file__).with_name("csrc") / name for name in ("kernels.h", "gemm_tiles.inc")]
 _module = None
 _failed: str | None = None
 _build_dir: Path | None = None  # where the loaded extension was built
@@ -65,7 +67,7 @@ def _build_directory(flags: list[str]) -> Path:
     h = hashlib.sha1()
     for part in [torch.__version__, *flags]:
         h.update(part.encode())
-    for src in [*_SOURCES, _HEADER]:
+    for src in [*_SOURCES, *_HEADERS]:
         h.update(src.read_bytes())
     path = Path(root) / f"tts_specdec_{h.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
@@ -124,7 +126,7 @@ def _load():
                 from torch.utils.cpp_extension import load
 
                 # torch rebuilds when the sources or flags change, not the header: its digest is a flag
-                digest = hashlib.sha1(_HEADER.read_bytes()).hexdigest()[:12]
+                digest = hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
                 # -ffp-contract=off: only the FMAs the code writes. GCC otherwise fuses some of the
                 # epilogues' mul + add pairs, depending on inlining, so a row's product could differ in
                 # the last bit with the number of rows beside it (test_row_result_independent_of_batch)
@@ -157,7 +159,11 @@ def unavailable_reason() -> str | None:
 
 
 class Packed:
-    """A weight stored as (in, out) for `x @ w`, packed into (out / 16, in, 16) panels for the kernel."""
+    """A weight stored as (in, out) for `x @ w`, packed for the kernel: 16-column panels in groups of
+    GROUP, each group term-major (term k of its panels side by side, then term k + 1), so the kernel
+    reads a group's slab of terms as one run of memory and a thread's panels as one stream.
+    `panels` has the shape (out / 16, in, 16) of the panels but that memory order: only the kernel
+    reads it."""
 
     def __init__(self, w_t: Tensor, width: int | None = None) -> None:
         """width: the columns that matter when w_t was padded with zeros to whole panels; products
@@ -165,7 +171,9 @@ class Packed:
         rows, cols = w_t.shape
         if cols % PANEL:
             raise ValueError(f"w_t: output width {cols} is not a multiple of {PANEL}")
-        self.panels = w_t.detach().reshape(rows, cols // PANEL, PANEL).transpose(0, 1).contiguous()
+        w = w_t.detach()
+        groups = [w[:, c : c + GROUP * PANEL].contiguous().view(-1) for c in range(0, cols, GROUP * PANEL)]
+        self.panels = torch.cat(groups).view(cols // PANEL, rows, PANEL)
         self.width = cols if width is None else width
 
     @staticmethod
@@ -305,3 +313,12 @@ def speculative_accept(
     u (rows, gamma) uniforms and race (rows, V) Exp(1) draws. Returns (accepted, next_token)."""
     c = lambda t: t if t.is_contiguous() else t.contiguous()  # noqa: E731
     return tuple(_module.speculative_accept(c(p), c(q), c(drafts), c(u), c(race), None if limit is None else c(limit)))
+
+
+def isa(name: str = "") -> str:
+    """The instruction set the products run on ("avx512" where the CPU has it, else "avx2"; the
+    environment variable TTS_SPECDEC_ISA=avx2 starts with AVX2). `name` switches it for this process;
+    both sum in the same order and give the same bits."""
+    if _load() is None:
+        raise RuntimeError(f"the CPU kernels do not run here: {unavailable_reason()}")
+    return _module.set_isa(name)

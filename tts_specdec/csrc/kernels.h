@@ -3,15 +3,23 @@
 // layers once per call and then runs them without building a tensor per product.
 #pragma once
 #include <cstdint>
+#include <string>
 
 namespace tts {
 
 constexpr int64_t kPanel = 16;  // output columns per packed weight panel
+// panels per group: a group's panels are stored term-major (term k of each panel side by side), so a
+// slab of its terms is one run of memory (`kernels.Packed`, which packs them, says GROUP)
+constexpr int64_t kGroup = 4;
 
 // y = (x / ||x|| per row if normalize) @ W + bias + res for x (rows, in) with row stride ldx, W packed
 // as (panels, in, 16). res may be y itself (an in-place residual add); x must not overlap y.
 void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels,
           const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy);
+
+// The instruction set of the products: "avx512" or "avx2" switches (an error where the CPU lacks it),
+// "" keeps it; returns the one now in use. Both give the same bits.
+std::string set_isa(const std::string& name);
 
 // out = h * gelu(gate) for n floats (exact GELU); out may be h itself.
 void geglu_row(const float* h, const float* gate, float* out, int64_t n);

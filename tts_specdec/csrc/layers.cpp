@@ -435,6 +435,7 @@ void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "x @ W (+ bias) (+ residual), W packed in 16-column panels, x optionally row-normalised");
+  m.def("set_isa", &tts::set_isa, "the products' instruction set: 'avx512', 'avx2', or '' to ask which runs");
   m.def("self_attention", &self_attention, "rotary + K/V cache write + attention for a few decoding queries");
   m.def("cross_attention", &cross_attention, "attention of a few decoding queries over source K/V");
   py::class_<Head>(m, "Head")

@@ -1,16 +1,22 @@
-// y = x @ W (+ bias) (+ residual) for the few-row products of decoding (float32, AVX2/FMA, CPU).
+// y = x @ W (+ bias) (+ residual) for the many-row products of decoding (float32, CPU).
 //
-// W (in, out) is packed once as out/16 panels of (in, 16) floats, so each panel streams through
-// memory once per call while up to 6 rows of x accumulate against it in registers (6 rows x 2 vectors;
-// fewer rows take several panels at once).
-// MKL runs such skinny products on one thread at a fraction of the bandwidth; here panels are split
-// over torch's own intra-op threads (at::parallel_for), so the thread pool is shared with torch.
+// W (in, out) is packed once as out/16 panels of (in, 16) floats, in groups of kGroup panels stored
+// term-major (`kernels.Packed`). A call walks a thread's groups; within a group, slab after slab of
+// kBlock terms: the slab's weights (kGroup x kBlock x 16 floats, 8 KB, one run of memory) come from
+// memory once and stay in L1 while every tile of rows passes over them, so the weights stream once per
+// call for any number of rows, and the arithmetic of the row tiles overlaps the stream (prefetched
+// kAheadBytes ahead). Each tile keeps its partial sums in registers: AVX-512
+// (32 registers) holds up to 14 rows x 2 panels, AVX2 (16) 6 rows x 1 panel; the instruction set is
+// chosen at run time (`set_isa`). Panels are split over torch's own intra-op threads (at::parallel_for),
+// so MKL's single-threaded skinny products are avoided and the thread pool is shared with torch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -18,83 +24,109 @@
 namespace tts {
 namespace {
 
-constexpr int64_t kBlock = 32;  // terms per partial sum
-constexpr int64_t kAhead = 256;  // weight rows prefetched ahead, over all panels in flight
+// blocked summation: each block of kBlock terms is summed on its own, then added to the total, so
+// rounding grows with kBlock + in / kBlock rather than with in (no worse than MKL's blocked sums)
+constexpr int64_t kBlock = 32;
 constexpr int64_t kMinTaskMacs = 1 << 17;  // below this a thread hand-off costs more than it saves
 
-// R rows of x against P consecutive panels (R * P <= 6: at most 12 accumulator chains). One row alone
-// would leave the FMA unit waiting on its 2 chains (4-cycle latency per term); taking 4 panels at once
-// gives it 8 independent chains. Every output element is summed in the same order whatever R and P,
-// so a row's result never depends on how many rows share the call.
-template <int R, int P>
-inline void panel_rows(const float* x, int64_t ldx, const float* w, int64_t in, float* y, int64_t ldy,
-                       const float* scale, const float* bias, const float* res, int64_t ldr) {
-  // blocked summation: each block of kBlock terms is summed on its own, then added to the total, so
-  // rounding grows with kBlock + in / kBlock rather than with in (no worse than MKL's blocked sums)
-  constexpr int V = 2 * P;  // vectors per row
-  const int64_t stride = in * kPanel;  // from one panel to the next
-  __m256 acc[R][V], blk[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-  for (int64_t k0 = 0; k0 < in; k0 += kBlock) {
-    const int64_t k1 = std::min(in, k0 + kBlock);
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) blk[r][v] = _mm256_setzero_ps();
-    for (int64_t k = k0; k < k1; ++k) {
-      __m256 wv[V];
-      for (int p = 0; p < P; ++p) {
-        const float* wk = w + p * stride + k * kPanel;
-        _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kPanel), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kPanel), _MM_HINT_T1);
-        wv[2 * p] = _mm256_loadu_ps(wk);
-        wv[2 * p + 1] = _mm256_loadu_ps(wk + 8);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-        for (int v = 0; v < V; ++v) blk[r][v] = _mm256_fmadd_ps(xb, wv[v], blk[r][v]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_add_ps(acc[r][v], blk[r][v]);
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) {
-      const int64_t c = (v / 2) * kPanel + (v % 2) * 8;  // output column of this vector
-      __m256 a = acc[r][v];
-      if (scale) a = _mm256_mul_ps(a, _mm256_set1_ps(scale[r]));
-      if (bias) a = _mm256_add_ps(a, _mm256_loadu_ps(bias + c));
-      if (res) a = _mm256_add_ps(a, _mm256_loadu_ps(res + r * ldr + c));
-      _mm256_storeu_ps(y + r * ldy + c, a);
-    }
-  }
-}
+// the distance at which the slab tiles ask memory into L2 ahead of what they read: 4 slabs of a group
+// (many times a DRAM latency at the rate the tiles read, well inside the 1-2 MB L2 of the CPUs we run on)
+constexpr int64_t kAheadBytes = 4 * kGroup * kBlock * kPanel * int64_t(sizeof(float));
 
-// Where one call's rows and panels are.
-struct Product {
+// One call's operands; prefetches stay below stream_end (the end of this thread's panels).
+struct Job {
   const float *x, *w, *scale, *bias, *res;
   float* y;
-  int64_t ldx, in, ldy, ldr;
-
-  // R rows from row m against panels [p, p + count), P at a time while whole groups remain
-  template <int R, int P>
-  void rows_from(int64_t m, int64_t p, int64_t count) const {
-    int64_t q = p;
-    for (; q + P <= p + count; q += P) at<R, P>(m, q);
-    for (; q < p + count; ++q) at<R, 1>(m, q);
-  }
-
-  template <int R, int P>
-  void at(int64_t m, int64_t p) const {
-    const int64_t c = p * kPanel;
-    panel_rows<R, P>(x + m * ldx, ldx, w + p * in * kPanel, in, y + m * ldy + c, ldy, scale ? scale + m : nullptr,
-                     bias ? bias + c : nullptr, res ? res + m * ldr + c : nullptr, ldr);
-  }
+  int64_t ldx, in, ldy, ldr, rows, panels;
+  const char* stream_end;
 };
 
 }  // namespace
 
+namespace avx2 {
+#define kLanes 8
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V vset1(float f) { return _mm256_set1_ps(f); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+// 16 registers: one row takes 4 panels (8 chains), two rows 2 panels, 3-6 rows one panel (12 chains)
+constexpr int64_t kTileRows = 6, kFewRows = 2;
+constexpr int kWidePanels = 1;
+#define TTS_FEW_CASES TTS_FEW(1, 4) TTS_FEW(2, 2)
+#define TTS_WIDE_CASES TTS_WIDE(1) TTS_WIDE(2) TTS_WIDE(3) TTS_WIDE(4) TTS_WIDE(5) TTS_WIDE(6)
+using tts::Job;
+#include "gemm_tiles.inc"
+#undef TTS_FEW_CASES
+#undef TTS_WIDE_CASES
+#undef kLanes
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
+#define kLanes 16
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V vset1(float f) { return _mm512_set1_ps(f); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+// 32 registers: up to 6 rows take 4 panels at once (24 chains), more rows tiles of up to 14 rows x 2
+// panels (28 accumulators + 2 weight vectors + a broadcast)
+constexpr int64_t kTileRows = 14, kFewRows = 6;
+constexpr int kWidePanels = 2;
+#define TTS_FEW_CASES TTS_FEW(1, 4) TTS_FEW(2, 4) TTS_FEW(3, 4) TTS_FEW(4, 4) TTS_FEW(5, 4) TTS_FEW(6, 4)
+#define TTS_WIDE_CASES TTS_WIDE(7) TTS_WIDE(8) TTS_WIDE(9) TTS_WIDE(10) TTS_WIDE(11) TTS_WIDE(12) TTS_WIDE(13) TTS_WIDE(14)
+using tts::Job;
+#include "gemm_tiles.inc"
+#undef TTS_FEW_CASES
+#undef TTS_WIDE_CASES
+#undef kLanes
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace {
+
+using GroupFn = void (*)(const Job&, int64_t, float*);
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f");
+}
+
+// The instruction set of the products: AVX-512 where the CPU has it unless TTS_SPECDEC_ISA=avx2.
+// Both sum every element in the same order, so they give the same bits (a test compares them).
+GroupFn initial_isa() {
+  const char* env = std::getenv("TTS_SPECDEC_ISA");
+  const bool want512 = !(env && std::string(env) == "avx2");
+  return want512 && cpu_has_avx512() ? &avx512::run_group : &avx2::run_group;
+}
+
+GroupFn group_fn = initial_isa();
+
+}  // namespace
+
+std::string set_isa(const std::string& name) {
+  if (name == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(), "isa: this CPU has no AVX-512");
+    group_fn = &avx512::run_group;
+  } else if (name == "avx2") {
+    group_fn = &avx2::run_group;
+  } else {
+    TORCH_CHECK(name.empty(), "isa: 'avx2', 'avx512' or '' (which one runs), not '", name, "'");
+  }
+  return group_fn == &avx512::run_group ? "avx512" : "avx2";
+}
+
 void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels,
           const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy) {
+  if (rows == 0 || n_panels == 0) return;
   constexpr int64_t kStackRows = 64;
   float stack_norms[kStackRows];
   std::vector<float> heap_norms(normalize && rows > kStackRows ? rows : 0);
@@ -104,27 +136,17 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
     for (int64_t k = 0; k < in; ++k) ss += double(x[m * ldx + k]) * x[m * ldx + k];
     inv_norm[m] = float(1.0 / std::max(std::sqrt(ss), 1e-12));
   }
-  const Product prod{x, panels, normalize ? inv_norm : nullptr, bias, res, y, ldx, in, ldy, ldr};
-  const int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, rows * in * kPanel));
-  at::parallel_for(0, n_panels, grain, [&](int64_t p0, int64_t p1) {
-    // 4 panels at a time: every block of rows, while those panels are in L1/L2. Blocks of up to 6 rows
-    // (12 accumulators), as even as possible (9 rows: 5 + 4, not 4 + 4 + 1): each block re-reads the
-    // panels, and a block of many rows does more arithmetic per weight load
-    for (int64_t p = p0; p < p1; p += 4) {
-      const int64_t count = std::min<int64_t>(4, p1 - p);
-      for (int64_t m = 0; m < rows;) {
-        const int64_t left = rows - m, blocks = (left + 5) / 6, r = (left + blocks - 1) / blocks;
-        switch (r) {
-          case 6: prod.rows_from<6, 1>(m, p, count); break;
-          case 5: prod.rows_from<5, 1>(m, p, count); break;
-          case 4: prod.rows_from<4, 1>(m, p, count); break;
-          case 3: prod.rows_from<3, 1>(m, p, count); break;
-          case 2: prod.rows_from<2, 2>(m, p, count); break;
-          default: prod.rows_from<1, 4>(m, p, count); break;
-        }
-        m += r;
-      }
-    }
+  const GroupFn run_group = group_fn;
+  const int64_t groups = (n_panels + kGroup - 1) / kGroup;
+  const int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, rows * in * kPanel * kGroup));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    const char* end = reinterpret_cast<const char*>(panels + std::min(n_panels, g1 * kGroup) * in * kPanel);
+    const Job job{x, panels, normalize ? inv_norm : nullptr, bias, res, y, ldx, in, ldy, ldr, rows, n_panels, end};
+    constexpr int64_t kStackAcc = 64 * kGroup * kPanel;  // 64 rows: 16 KB
+    alignas(64) float stack_acc[kStackAcc];
+    std::vector<float> heap_acc(rows * kGroup * kPanel > kStackAcc ? rows * kGroup * kPanel : 0);
+    float* acc = heap_acc.empty() ? stack_acc : heap_acc.data();
+    for (int64_t g = g0; g < g1; ++g) run_group(job, g, acc);
   });
 }
 
