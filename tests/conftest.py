@@ -140,13 +140,13 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(params=["mm", "split", "kernel", "kernel-packed"])
+@pytest.fixture(params=["mm", "split", "kernel"])
 def layout(request, one_thread, monkeypatch):
     """Every layout of the decoder: torch's plain products and attention on every position; what torch
     runs on large models (forced here on tiny ones: two threads, no size floors): bmm over weight
     blocks, and padded tree rows packed to their real tokens; the kernels (float32 on CPU; other dtypes
-    keep torch's path) on two threads: every product and each attention in one call, tree rows
-    included (`kernel`), or with tree rows packed, whose attention stays torch's (`kernel-packed`)."""
+    keep torch's path) on two threads: every product and each attention in one call, the products of
+    padded tree rows on their real tokens only (`kernel`)."""
     import tts_specdec.backends.torch_eager as torch_eager
     import tts_specdec.kernels as kernels
     import tts_specdec.weights as weights
@@ -154,7 +154,7 @@ def layout(request, one_thread, monkeypatch):
     monkeypatch.setattr(kernels, "ENABLED", request.param.startswith("kernel"))
     if request.param != "mm":
         torch.set_num_threads(2)
-    if request.param in ("split", "kernel-packed"):
+    if request.param == "split":
         monkeypatch.setattr(torch_eager, "_PACK_MIN_WORK", 0)
     if request.param == "split":
         monkeypatch.setattr(weights, "_SPLIT_MIN_ELEMENTS", 0)

@@ -106,7 +106,9 @@ def test_ragged_rows_equal_forward(dtype, n, layout):
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "unpacked"])
 def test_padded_rows_equal_forward(dtype, kv_heads, pack, layout, monkeypatch):
     """`real` marks each row's first n_r positions of a padded chunk: their logits and K/V are exact
-    (a later ragged step reads them); packed, only they are computed and padding gets zero outputs."""
+    (a later ragged step reads them); packed, only they are computed and padding gets zero outputs.
+    The kernels always pack (their products skip padding rows at no cost); torch's path packs where
+    it pays (forced on or off here)."""
     import tts_specdec.backends.torch_eager as torch_eager
 
     monkeypatch.setattr(torch_eager, "_PACK_MIN_WORK", 0 if pack else 1 << 62)
@@ -123,15 +125,45 @@ def test_padded_rows_equal_forward(dtype, kv_heads, pack, layout, monkeypatch):
         x_b = torch.where(real[..., None], x[:, 4:9], garbage)
         evals = list(dec.layer_evals)
         h_b = dec.run(x_b, 4, range(dec.depth), enc, cache, real=real)
-        computed = int(n_real.sum()) if pack else 3 * 5
+        packs = pack or (dec.backend.name == "kernels")
+        computed = int(n_real.sum()) if packs else 3 * 5
         assert [a - b for a, b in zip(dec.layer_evals, evals)] == [computed] * dec.depth
-        assert bool((h_b[~real] == 0).all()) == pack
+        assert bool((h_b[~real] == 0).all()) == packs
         start = 4 + n_real  # each row goes on from its last real position
         h_c = dec.run(x.gather(1, start[:, None, None].expand(-1, 1, x.shape[-1])), start, range(dec.depth), enc, cache)
         logits_b, logits_c = dec.target_logits(h_b), dec.target_logits(h_c)
     for r in range(3):
         assert rel_err(logits_b[r, : n_real[r]], ref[r, 4 : 4 + n_real[r]]) < TOL[dtype]
         assert rel_err(logits_c[r, 0], ref[r, start[r]]) < TOL[dtype]
+
+
+def test_kernels_skip_padding_with_the_same_bits():
+    """On the kernels the products of padded rows run on their real tokens only: those tokens' outputs
+    and K/V are the bits of a run that computes every position (row-count invariance), and the padding
+    positions' K/V are zero."""
+    from tts_specdec import kernels
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    model = make_model(4, kv_heads=1, dtype=torch.float32, std=STD[torch.float32])
+    source = make_source(3, 6, seed=9, lengths=[6, 2, 5])
+    target = targets(3, seed=10)
+    real = torch.arange(5)[None, :] < torch.tensor([3, 1, 5])[:, None]
+    out = {}
+    with torch.no_grad():
+        for packed in (False, True):
+            dec, enc, cache, x = setup(model, source, target)
+            assert dec.backend.name == "kernels"
+            dec.run(x[:, :4], 0, range(dec.depth), enc, cache)
+            h = dec.run(x[:, 4:9], 4, range(dec.depth), enc, cache, real=real if packed else None)
+            k, v = cache.buffers(9)
+            out[packed] = (h, k[:, :, :, :9].clone(), v[:, :, :, :9].clone())
+    (h0, k0, v0), (h1, k1, v1) = out[False], out[True]
+    assert torch.equal(h1[real], h0[real]) and bool((h1[~real] == 0).all())
+    slot_real = torch.cat([torch.ones(3, 4, dtype=torch.bool), real], dim=1)  # (rows, slots 0..8)
+    for a, b in ((k0, k1), (v0, v1)):  # (layers, rows, kv heads, slots, d)
+        assert torch.equal(b.transpose(2, 3)[:, slot_real], a.transpose(2, 3)[:, slot_real])
+        assert bool((b.transpose(2, 3)[:, ~slot_real] == 0).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -224,7 +224,7 @@ class Stack:
     def run(
         self, x: Tensor, layers: range, cos: Tensor, sin: Tensor, pos: Tensor, slots: Tensor, k_all: Tensor,
         v_all: Tensor, table: Tensor | None, mask: Tensor | None, keys: int, enc_keys: Tensor, enc_values: Tensor,
-        cross_mask: Tensor | None, enc_rows: Tensor | None = None,
+        cross_mask: Tensor | None, enc_rows: Tensor | None = None, real: Tensor | None = None,
     ) -> Tensor:
         """Layers `layers` (a contiguous range) on x (tokens, dim), each: normalised q/k/v product,
         `self_attention`, output product + residual, normalised cross q product, `cross_attention`,
@@ -234,9 +234,11 @@ class Stack:
         capacity, d); table (rows, capacity) int64 or None: the cache row each slot is read from (a
         `KVCache` by reference; the cache may then hold more rows than are decoded); enc_keys/enc_values
         (layers, sources, h, S, d): row r reads source enc_rows[r] ((rows,) int64; None: source r);
-        cross_mask (rows, S) additive."""
+        cross_mask (rows, S) additive. real ((T,) int64, increasing, or None): the tokens whose outputs
+        matter when rows are padded; the products run on those only (padding tokens: zero q, k, v and
+        zero outputs), the real tokens' results unchanged."""
         return self._stack.run(x, layers.start, layers.stop, cos, sin, pos, slots, k_all, v_all, table, mask, keys,
-                               enc_keys, enc_values, cross_mask, enc_rows)
+                               enc_keys, enc_values, cross_mask, enc_rows, real)
 
 
 class Head:

@@ -1,8 +1,8 @@
 """The C++ kernels (`kernels.py`, `csrc/`): float32 on x86 CPUs with AVX2, every product packed and
 heads in whole AVX2 vectors. A range of layers is one `kernels.Stack.run` call (each attention one
 kernel: rotary, cache write, attention, layout); a draft phase or a run of plain steps is one
-`kernels.decode_steps` call. Where a call does not fit (padded tree rows worth packing, a head whose
-products are not on the kernel) the torch path below it runs."""
+`kernels.decode_steps` call; padded tree rows run their products on the real tokens only. Where a call
+does not fit (a head whose products are not on the kernel) the torch path below it runs."""
 
 from __future__ import annotations
 
@@ -46,11 +46,12 @@ class CpuKernels(TorchEager):
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
         attn_mask: Tensor | None = None, positions: Tensor | None = None, real: Tensor | None = None,
     ) -> Tensor:
-        """The layers in one `kernels.Stack.run` call; padding positions are computed like real ones
-        (unless packing them pays: then torch's path)."""
+        """The layers in one `kernels.Stack.run` call; the products skip padding positions (`real`),
+        which get zero K/V and zero outputs, as on torch's packed path."""
         rows, n, dim = x.shape
-        if real is not None and self._packs(rows, n, real):
-            return super().run_layers(x, start, layers, enc, cache, attn_mask, positions, real)
+        keep = None
+        if real is not None and not bool(real.all()):
+            keep = real.reshape(-1).nonzero()[:, 0]
         dec = self.dec
         end = self._claim(n, start, positions, cache)
         table = dec._slot_table
@@ -66,9 +67,9 @@ class CpuKernels(TorchEager):
                     mask = mask.contiguous()
         k_all, v_all = cache.buffers(end)
         x = self.stack.run(x.reshape(rows * n, dim), layers, *dec._rope, pos, slots, k_all, v_all, cache.table, mask,
-                           end, enc.keys, enc.values, enc.cross_mask, enc.source)
+                           end, enc.keys, enc.values, enc.cross_mask, enc.source, keep)
         for i in layers:
-            dec.layer_evals[i] += rows * n
+            dec.layer_evals[i] += rows * n if keep is None else keep.numel()
         return x.view(rows, n, dim)
 
     def plain_steps(

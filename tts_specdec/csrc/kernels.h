@@ -13,9 +13,12 @@ constexpr int64_t kPanel = 16;  // output columns per packed weight panel
 constexpr int64_t kGroup = 4;
 
 // y = (x / ||x|| per row if normalize) @ W + bias + res for x (rows, in) with row stride ldx, W packed
-// as (panels, in, 16). res may be y itself (an in-place residual add); x must not overlap y.
+// as (panels, in, 16). res may be y itself (an in-place residual add); x must not overlap y. index (or
+// null): the call's i-th row is row index[i] of x, y and res (the real tokens among padded ones); the
+// other rows of y are not written.
 void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels,
-          const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy);
+          const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy,
+          const int64_t* index = nullptr);
 
 // The instruction set of the products: "avx512" or "avx2" switches (an error where the CPU lacks it),
 // "" keeps it; returns the one now in use. Both give the same bits.

@@ -47,10 +47,15 @@ void check_cache(const torch::Tensor& t, int64_t layers, int64_t rows, int64_t k
 }
 
 // x (tokens, dim) += W_out(GEGLU(normalize(x) @ W_in + b_in)) + b_out, in place; ff (tokens, 2 inner) scratch.
-void feed_forward(float* x, int64_t tokens, int64_t dim, const torch::Tensor* w, int64_t inner, float* ff) {
-  tts::gemm(x, dim, tokens, dim, w[0].data_ptr<float>(), w[0].size(0), w[1].data_ptr<float>(), nullptr, 0, true, ff, 2 * inner);
-  for (int64_t t = 0; t < tokens; ++t) tts::geglu_row(ff + t * 2 * inner, ff + t * 2 * inner + inner, ff + t * 2 * inner, inner);
-  tts::gemm(ff, 2 * inner, tokens, inner, w[2].data_ptr<float>(), w[2].size(0), w[3].data_ptr<float>(), x, dim, false, x, dim);
+// index (or null): only these `tokens` rows of x and ff (`tts::gemm`).
+void feed_forward(float* x, int64_t tokens, int64_t dim, const torch::Tensor* w, int64_t inner, float* ff,
+                  const int64_t* index = nullptr) {
+  tts::gemm(x, dim, tokens, dim, w[0].data_ptr<float>(), w[0].size(0), w[1].data_ptr<float>(), nullptr, 0, true, ff, 2 * inner, index);
+  for (int64_t i = 0; i < tokens; ++i) {
+    float* f = ff + (index ? index[i] : i) * 2 * inner;
+    tts::geglu_row(f, f + inner, f, inner);
+  }
+  tts::gemm(ff, 2 * inner, tokens, inner, w[2].data_ptr<float>(), w[2].size(0), w[3].data_ptr<float>(), x, dim, false, x, dim, index);
 }
 
 // Checks a feed-forward's 4 tensors (w_in, b_in, w_out, b_out) for model width dim; returns inner.
@@ -91,13 +96,17 @@ class Stack {
   // (layers, rows, kvh, capacity, d); table (rows, capacity) int64 or none: the cache row each slot is
   // read from (`CacheView`; k_all, v_all may then hold more rows); mask (1 or rows, n, keys) additive or
   // none (causal by slot); enc_keys, enc_values (layers, sources, h, S, d): row r reads source enc_rows[r]
-  // (int64 (rows,)), or source r without enc_rows; cross_mask (rows, S) additive or none.
+  // (int64 (rows,)), or source r without enc_rows; cross_mask (rows, S) additive or none. real (or none):
+  // int64, the increasing indices of the tokens whose outputs matter when rows are padded to n; the
+  // products skip the others (their q, k, v zero, so their K/V in the cache is zero as on torch's path;
+  // their outputs zero), and the real tokens' results are those of a call without `real`.
   torch::Tensor run(const torch::Tensor& x, int64_t first, int64_t last, const torch::Tensor& cos, const torch::Tensor& sin,
                     const torch::Tensor& pos, const torch::Tensor& slots, const torch::Tensor& k_all,
                     const torch::Tensor& v_all, const c10::optional<torch::Tensor>& table,
                     const c10::optional<torch::Tensor>& mask, int64_t keys,
                     const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
-                    const c10::optional<torch::Tensor>& cross_mask, const c10::optional<torch::Tensor>& enc_rows) const {
+                    const c10::optional<torch::Tensor>& cross_mask, const c10::optional<torch::Tensor>& enc_rows,
+                    const c10::optional<torch::Tensor>& real) const {
     TORCH_CHECK(0 <= first && first <= last && last <= layers_, "layers [", first, ", ", last, ") outside 0..", layers_);
     TORCH_CHECK(slots.dim() == 2, "pos, slots: int64 (rows, n)");
     const int64_t rows = slots.size(0), n = slots.size(1), tokens = rows * n;
@@ -145,9 +154,25 @@ class Stack {
       cm_row = cross_mask->stride(0);
     }
 
+    const int64_t* index = nullptr;  // the real tokens, or null: all
+    int64_t live = tokens;
+    if (real) {
+      TORCH_CHECK(real->dim() == 1 && real->is_contiguous() && real->scalar_type() == at::kLong, "real: contiguous int64 (tokens,)");
+      index = real->data_ptr<int64_t>();
+      live = real->size(0);
+      for (int64_t i = 0; i < live; ++i)
+        TORCH_CHECK((i ? index[i - 1] < index[i] : 0 <= index[i]) && index[i] < tokens, "real: increasing token indices below rows * n");
+    }
+
     const int64_t hd = h_ * d_, width = (h_ + 2 * kvh_) * d_;
-    auto out = torch::empty({tokens, dim_}, x.options());  // the residual stream, updated in place layer by layer
-    out.copy_(x);
+    // the residual stream, updated in place layer by layer (padding tokens: zero throughout)
+    auto out = index ? torch::zeros({tokens, dim_}, x.options()) : torch::empty({tokens, dim_}, x.options());
+    if (index)
+      for (int64_t i = 0; i < live; ++i)
+        std::copy_n(x.data_ptr<float>() + index[i] * x.stride(0), dim_, out.data_ptr<float>() + index[i] * dim_);
+    else
+      out.copy_(x);
+    // zeroed: a padding token's q, k and v stay zero
     std::vector<float> ws(tokens * (width + 2 * hd + 2 * inner_));
     float* heads = ws.data();  // (tokens, width): q, k, v of every token
     float* q = heads + tokens * width;  // (tokens, hd): rotated or cross-attention queries
@@ -157,20 +182,20 @@ class Stack {
     for (int64_t i = first; i < last; ++i) {
       const torch::Tensor* w = w_.data() + i * kPerLayer;
       const float* none = nullptr;
-      tts::gemm(xp, dim_, tokens, dim_, w[0].data_ptr<float>(), w[0].size(0), none, none, 0, true, heads, width);
+      tts::gemm(xp, dim_, live, dim_, w[0].data_ptr<float>(), w[0].size(0), none, none, 0, true, heads, width, index);
       const tts::CacheView cache{k_all.data_ptr<float>() + i * k_all.stride(0), v_all.data_ptr<float>() + i * v_all.stride(0),
                                  k_all.stride(1), k_all.stride(2), v_all.stride(1), v_all.stride(2),
                                  tp, table ? table->stride(0) : 0};
       tts::self_attention(heads, cos.data_ptr<float>(), sin.data_ptr<float>(), pp.data(), sp.data(), rows, n, h_, kvh_, d_,
                           cache, mv, keys, q, a);
-      tts::gemm(a, hd, tokens, hd, w[1].data_ptr<float>(), w[1].size(0), none, xp, dim_, false, xp, dim_);
-      tts::gemm(xp, dim_, tokens, dim_, w[2].data_ptr<float>(), w[2].size(0), none, none, 0, true, q, hd);
+      tts::gemm(a, hd, live, hd, w[1].data_ptr<float>(), w[1].size(0), none, xp, dim_, false, xp, dim_, index);
+      tts::gemm(xp, dim_, live, dim_, w[2].data_ptr<float>(), w[2].size(0), none, none, 0, true, q, hd, index);
       const tts::SourceView src{enc_keys.data_ptr<float>() + i * enc_keys.stride(0), enc_values.data_ptr<float>() + i * enc_values.stride(0),
                                 enc_keys.stride(1), enc_keys.stride(2), enc_values.stride(1), enc_values.stride(2), S, cm, cm_row,
                                 row_of};
       tts::cross_attention(q, rows, n, h_, d_, src, a);
-      tts::gemm(a, hd, tokens, hd, w[3].data_ptr<float>(), w[3].size(0), none, xp, dim_, false, xp, dim_);
-      feed_forward(xp, tokens, dim_, w + 4, inner_, ff);
+      tts::gemm(a, hd, live, hd, w[3].data_ptr<float>(), w[3].size(0), none, xp, dim_, false, xp, dim_, index);
+      feed_forward(xp, live, dim_, w + 4, inner_, ff, index);
     }
     return out;
   }
@@ -336,7 +361,7 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
   int64_t steps = gamma, drafting = seqs;
   for (int64_t d = 0;; ++d) {
     if (d) slots.add_(1);
-    auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, none, first + d + 1, enc_keys, enc_values, cross_mask, enc_rows);
+    auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, none, first + d + 1, enc_keys, enc_values, cross_mask, enc_rows, none);
     if (tail) exits.select(1, d).copy_(h);
     if (d == steps) break;  // with tail: the last token's pass
     auto logits = head(h);  // (rows, V), a view of whole-panel rows

@@ -39,6 +39,8 @@ struct Job {
   float* y;
   int64_t ldx, in, ldy, ldr, rows, panels;
   const char* stream_end;
+  const int64_t* index;  // the i-th row of the call is row index[i] of x, y and res (null: row i)
+  int64_t row(int64_t i) const { return index ? index[i] : i; }
 };
 
 }  // namespace
@@ -125,15 +127,16 @@ std::string set_isa(const std::string& name) {
 }
 
 void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels,
-          const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy) {
+          const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index) {
   if (rows == 0 || n_panels == 0) return;
   constexpr int64_t kStackRows = 64;
   float stack_norms[kStackRows];
   std::vector<float> heap_norms(normalize && rows > kStackRows ? rows : 0);
   float* inv_norm = rows > kStackRows ? heap_norms.data() : stack_norms;
   for (int64_t m = 0; m < (normalize ? rows : 0); ++m) {
+    const float* xm = x + (index ? index[m] : m) * ldx;
     double ss = 0.0;
-    for (int64_t k = 0; k < in; ++k) ss += double(x[m * ldx + k]) * x[m * ldx + k];
+    for (int64_t k = 0; k < in; ++k) ss += double(xm[k]) * xm[k];
     inv_norm[m] = float(1.0 / std::max(std::sqrt(ss), 1e-12));
   }
   const GroupFn run_group = group_fn;
@@ -141,7 +144,7 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
   const int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, rows * in * kPanel * kGroup));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     const char* end = reinterpret_cast<const char*>(panels + std::min(n_panels, g1 * kGroup) * in * kPanel);
-    const Job job{x, panels, normalize ? inv_norm : nullptr, bias, res, y, ldx, in, ldy, ldr, rows, n_panels, end};
+    const Job job{x, panels, normalize ? inv_norm : nullptr, bias, res, y, ldx, in, ldy, ldr, rows, n_panels, end, index};
     constexpr int64_t kStackAcc = 64 * kGroup * kPanel;  // 64 rows: 16 KB
     alignas(64) float stack_acc[kStackAcc];
     std::vector<float> heap_acc(rows * kGroup * kPanel > kStackAcc ? rows * kGroup * kPanel : 0);
@@ -179,6 +182,7 @@ torch::Tensor small_gemm(const torch::Tensor& x_in, const torch::Tensor& packed,
                             residual->stride(1) == 1 && residual->scalar_type() == at::kFloat, "residual: float32 (rows, out), unit column stride");
   auto y = torch::empty({rows, out}, x.options());
   tts::gemm(x.data_ptr<float>(), x.stride(0), rows, in, packed.data_ptr<float>(), panels, bias ? bias->data_ptr<float>() : nullptr,
-            residual ? residual->data_ptr<float>() : nullptr, residual ? residual->stride(0) : 0, normalize, y.data_ptr<float>(), out);
+            residual ? residual->data_ptr<float>() : nullptr, residual ? residual->stride(0) : 0, normalize, y.data_ptr<float>(), out,
+            nullptr);
   return y;
 }
