@@ -42,6 +42,8 @@ from tts_specdec import SpeculativeDecoder  # noqa: E402
 from tts_specdec._upstream import TextToSemantic, _spear, quiet_progress  # noqa: E402
 from tts_specdec.results import DecodeStats  # noqa: E402
 from tts_specdec.distill import distill_exit_head  # noqa: E402
+from tts_specdec.inputs import MAX_BEAM_SIZE, MAX_FIXED_GAMMA  # noqa: E402
+from tts_specdec.speech import cli  # noqa: E402
 
 
 @dataclass
@@ -453,7 +455,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["reference", "default"], default="reference")
     p.add_argument("--checkpoint", type=Path, help="with --model default: a speech checkpoint directory")
     p.add_argument("--widen", type=int, nargs="+", metavar="N",
@@ -466,14 +468,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--gamma", type=cli.int_in(0, MAX_FIXED_GAMMA), default=4)
     p.add_argument("--draft-confidence", type=float, default=0.9,
                    help="rows with early draft stops: a row stops drafting below this draft probability (0: no rows)")
-    p.add_argument("--max-gamma", type=int, default=10, help="most drafts per cycle in the early-stop rows")
-    p.add_argument("--beam-size", type=int, default=4)
-    p.add_argument("--beam-gamma", type=int, nargs="+", default=[1, 3],
+    p.add_argument("--max-gamma", type=cli.int_in(1, MAX_FIXED_GAMMA), default=10, help="most drafts per cycle in the early-stop rows")
+    p.add_argument("--beam-size", type=cli.int_in(1, MAX_BEAM_SIZE), default=4)
+    p.add_argument("--beam-gamma", type=cli.int_in(1, MAX_FIXED_GAMMA), nargs="+", default=[1, 3],
                    help="draft levels per cycle of speculative beam search (a row per value and width)")
-    p.add_argument("--draft-width", type=int, nargs="+", default=[8, 12], help="draft beam widths W (>= beam size)")
+    p.add_argument("--draft-width", type=cli.int_at_least(0), nargs="+", default=[8, 12],
+                   help="draft beam widths W (>= beam size; 0: the beam size)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0,
                    help="sampling rows keep the k most likely tokens, ours and spear-tts's (0: ours unfiltered, "

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 from tts_specdec.results import DecodeStats  # noqa: E402
-from tts_specdec.speech import load_speech_model  # noqa: E402
+from tts_specdec.inputs import MAX_BEAM_SIZE  # noqa: E402
+from tts_specdec.speech import cli, load_speech_model  # noqa: E402
 from tts_specdec.speech.pipeline import default_max_length  # noqa: E402
 from tts_specdec.speech.references import heldout_sentences  # noqa: E402
 
@@ -37,11 +38,11 @@ def tokens(decoded) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sentences", type=int, default=20)
     p.add_argument("--batch", type=int, default=4, help="sentences decoded together in the batch checks")
-    p.add_argument("--beam-size", type=int, default=4)
+    p.add_argument("--beam-size", type=cli.int_in(1, MAX_BEAM_SIZE), default=4)
     args = p.parse_args(argv)
     if args.sentences < 1 or args.batch < 1:
         raise ValueError("--sentences and --batch must be >= 1")

@@ -54,3 +54,15 @@ def test_verify_ratio_is_verify_time_per_pass_over_a_plain_step():
 def test_rows_fall_into_their_plain_modes_family(mode, family):
     """--families keeps each row with its baseline: a family filter never leaves a ratio without its base."""
     assert benchmark.family(mode) == family
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--beam-size", "1000000"], "argument --beam-size: must be an integer in [1, 1024], got 1000000"),
+    (["--gamma", "1000000"], "argument --gamma: must be an integer in [0, 256], got 1000000"),
+    (["--beam-gamma", "1", "1000000000"], "argument --beam-gamma: must be an integer in [1, 256], got 1000000000"),
+])
+def test_absurd_sizes_are_one_line_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        benchmark.main(args)
+    err = capsys.readouterr().err  # "prog: error: ...": prog is the script's name (here pytest's)
+    assert exit.value.code == 2 and err.endswith(f": error: {message}\n") and err.count("\n") == 1

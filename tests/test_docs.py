@@ -27,7 +27,7 @@ FRAGMENT = "<!-- fragment -->"
 MAX_FRAGMENTS = 4  # across all pages: a fragment is an example nobody checks
 README_MAX_LINES = 180
 # runnable (not fragment) python blocks per page; a page not named has none. Update with the pages.
-RUNNABLE = {"README.md": 2, "docs/design.md": 1, "docs/dropin.md": 2, "docs/scale-out.md": 2, "docs/speech.md": 1}
+RUNNABLE = {"README.md": 2, "docs/arguments.md": 1, "docs/design.md": 1, "docs/dropin.md": 2, "docs/scale-out.md": 2, "docs/speech.md": 1}
 # the languages a fence may name ("" = none); any other, e.g. `python3`, would silently not run
 LANGUAGES = {"python", "py", "bash", "sh", "console", "text", "json", ""}
 

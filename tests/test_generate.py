@@ -275,3 +275,12 @@ def test_subclass_override_refused_and_compiled_model_unwrapped(source):
     assert torch.equal(compiled.generate(source, **kw), generate(model, source, **kw))
     with pytest.raises(TypeError, match="TextToSemantic"):
         patch(torch.nn.Linear(2, 2))
+
+
+def test_absurd_gamma_is_refused_on_spear_tts_own_loop_too(patched, source, monkeypatch):
+    """top_p at temperature 0.8 has no exact equivalent here: spear-tts's loop runs and ignores the gamma,
+    which is refused all the same (before that loop runs)."""
+    monkeypatch.setattr(TextToSemantic, "generate", lambda *a, **k: pytest.fail("spear-tts's loop ran"))
+    with pytest.raises(ValueError, match=r"^gamma must be in \[0, 256\], got 1000000$"):
+        generate(patched, source, **TTS, temperature=0.8, filter_logits_fn=_spear.top_p, max_length=MAX_LENGTH,
+                 spec_decode=True, spec_decode_gamma=10**6)

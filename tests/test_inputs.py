@@ -164,3 +164,160 @@ def test_walk_gives_torchs_modules_and_parameters():
     modules, params = walk(model)
     assert len(modules) == len(list(model.modules())) and all(a is b for a, b in zip(modules, model.modules()))
     assert len(params) == len(list(model.parameters())) and all(a is b for a, b in zip(params, model.parameters()))
+
+
+# ---- sizes: refused or lowered before anything is allocated ---------------------------------------
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Encoding the source and making a KV cache fail the test: what a decode allocates first."""
+    from tts_specdec.cache import KVCache
+    from tts_specdec.decoder import Decoder
+
+    def allocated(*args, **kwargs):
+        raise AssertionError("the decoder allocated before the sizes were checked")
+
+    monkeypatch.setattr(KVCache, "__init__", allocated)
+    monkeypatch.setattr(Decoder, "encode", allocated)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    from tts_specdec.speech import load_default
+
+    return load_default()
+
+
+TEXTS = ["The hard mountain is cold."]
+# the issue's calls: (what runs, the message, which must name the argument, its value and the range)
+ABSURD = [
+    (dict(method="beam_search", beam_size=10**6), r"^beam_size must be in \[1, 1024\], got 1000000$"),
+    (dict(method="sample", gamma=10**6), r"^gamma must be in \[0, 256\], got 1000000$"),
+    (dict(method="beam_search", beam_size=4, gamma=10**9), r"^gamma must be in \[0, 256\], got 1000000000$"),
+]
+
+
+def _refused_fast(call, match):
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=match) as error:
+        call()
+    assert time.perf_counter() - start < 1.0 and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("kwargs, match", ABSURD)
+def test_absurd_sizes_are_refused_before_allocating(shipped, no_allocation, kwargs, match):
+    kwargs = dict(kwargs)
+    method = kwargs.pop("method")
+    _refused_fast(lambda: getattr(SpeculativeDecoder(shipped.model), method)(TEXTS, **kwargs), match)
+
+
+@pytest.mark.parametrize("kwargs, match", ABSURD)
+def test_absurd_sizes_through_generate_and_synthesize(shipped, no_allocation, kwargs, match):
+    from tts_specdec import generate
+    from tts_specdec.speech import Mode, synthesize
+
+    kwargs = dict(kwargs)
+    method = kwargs.pop("method")
+    dropin = dict(beam_search_decode=method == "beam_search", progress=False)
+    if "beam_size" in kwargs:
+        dropin["beam_size"] = kwargs["beam_size"]
+    if "gamma" in kwargs:
+        dropin.update(spec_decode=True, spec_decode_gamma=kwargs["gamma"])
+    _refused_fast(lambda: generate(shipped.model, TEXTS, **dropin), match)
+    _refused_fast(lambda: synthesize(shipped, TEXTS, Mode("absurd", method, **kwargs)), match)
+
+
+def test_size_ceilings():
+    from tts_specdec.inputs import MAX_BEAM_SIZE, MAX_FIXED_GAMMA, check_beam_size, check_draft_width, check_gamma
+
+    assert check_beam_size(MAX_BEAM_SIZE, 12, upstream=False) == MAX_BEAM_SIZE  # past the vocabulary: standard
+    with pytest.raises(ValueError, match=r"beam_size must be in \[1, 1024\], got 1025"):
+        check_beam_size(MAX_BEAM_SIZE + 1, 10**6, upstream=False)
+    with pytest.raises(ValueError, match=r"beam_size must be <= the vocabulary \(12\)"):
+        check_beam_size(13, 12, upstream=True)
+    assert check_gamma(MAX_FIXED_GAMMA, 2) == MAX_FIXED_GAMMA and check_gamma("auto", 2) == "auto"
+    with pytest.raises(ValueError, match=r"gamma must be in \[0, 256\], got 257"):
+        check_gamma(MAX_FIXED_GAMMA + 1, 2)
+    assert check_draft_width(10**9, 4, 13) == 4 * 13 and check_draft_width(None, 4, 13) is None
+    with pytest.raises(ValueError, match="draft_width must be >= 4, got 3"):
+        check_draft_width(3, 4, 13)
+
+
+def test_gamma_past_max_length_is_lowered_where_the_result_cannot_change(src):
+    """Greedy decoding and beam search: the tokens of gamma 0 (float64: beam scores to rounding), with
+    max_length - 1 drafts. Sampling keeps its gamma: a seeded run's draws depend on it."""
+    dec = SpeculativeDecoder(make_model(0, dtype=torch.float64))
+    plain = dec.sample(src, temperature=0.0, gamma=0, max_length=5)
+    greedy = dec.sample(src, temperature=0.0, gamma=200, max_length=5)
+    assert [t.tolist() for t in greedy.tokens] == [t.tolist() for t in plain.tokens] and greedy.stats.gamma == 4
+    sampled = dec.sample(src, temperature=1.0, gamma=200, max_length=5, generator=torch.Generator().manual_seed(0))
+    assert sampled.stats.gamma == 200
+    beams = dec.beam_search(src, beam_size=2, gamma=0, max_length=5)
+    spec = dec.beam_search(src, beam_size=2, gamma=200, draft_width=10**9, max_length=5)
+    assert [t.tolist() for t in spec.tokens] == [t.tolist() for t in beams.tokens]
+    assert spec.scores == pytest.approx(beams.scores, abs=1e-9)
+    assert spec.stats.gamma == 4
+
+
+def _caches(monkeypatch):
+    """Bytes of K/V of every cache made from now on."""
+    from tts_specdec.cache import KVCache
+
+    made, init = [], KVCache.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self.k.nbytes + self.v.nbytes)
+
+    monkeypatch.setattr(KVCache, "__init__", record)
+    return made
+
+
+@pytest.mark.parametrize("gamma, cond_scale", [(0, 1.0), (3, 1.0), (3, 2.0)])
+def test_planned_cache_is_the_cache_allocated(monkeypatch, gamma, cond_scale):
+    """The sizes checked against the memory are the ones the loops allocate."""
+    from tts_specdec import speculative
+
+    model = make_model(0, cond_drop_prob=0.2 if cond_scale > 1 else 0.0)
+    dec, src = SpeculativeDecoder(model), make_source(3, 5)
+    rows = 3 * (2 if cond_scale > 1 else 1)
+    made = _caches(monkeypatch)
+    dec.sample(src, temperature=0.0, gamma=gamma, max_length=9, cond_scale=cond_scale)
+    assert made == [dec.decoder.cache_bytes(rows, speculative.cache_positions(9, gamma))]
+    made.clear()
+    dec.beam_search(src, beam_size=2, gamma=gamma, draft_width=5, max_length=9, cond_scale=cond_scale)
+    assert made == [dec._beam_plan(3, 2, cond_scale > 1, gamma, 5, 9)["KV cache"]]
+
+
+def test_a_plan_past_the_device_memory_is_refused(dec, src, monkeypatch):
+    from tts_specdec import inputs
+    from tts_specdec.decoder import Decoder
+
+    plain = dec._beam_plan(2, 3, False, 0, 3, 6)
+    spec = dec._beam_plan(2, 3, False, 2, 5, 6)
+    assert set(plain) == {"KV cache"} and spec["draft tree"] >= 2 * 3 * (1 + 2 * 5) ** 2  # the ancestor masks
+    monkeypatch.setattr(inputs, "device_memory", lambda device: sum(plain.values()))  # fits exactly
+    assert dec.beam_search(src, beam_size=3, gamma=0, max_length=6).tokens
+    monkeypatch.setattr(inputs, "device_memory", lambda device: sum(plain.values()) - 1)
+    monkeypatch.setattr(Decoder, "encode", lambda *a, **k: pytest.fail("encoded before the memory check"))
+    kib = sum(plain.values()) / 1024
+    with pytest.raises(ValueError, match=rf"^a batch of 2, beam_size=3, gamma=0, max_length=6: this call plans "
+                                         rf"{kib:.1f} KiB \(KV cache {kib:.1f} KiB\), more than the {kib:.1f} KiB "
+                                         r"of memory of this cpu device; lower one of them$"):
+        dec.beam_search(src, beam_size=3, gamma=0, max_length=6)
+    with pytest.raises(ValueError, match=r"gamma=2, draft_width=5, .*\(KV cache .* \+ draft tree .*\)"):
+        dec.beam_search(src, beam_size=3, gamma=2, draft_width=5, max_length=6)
+    monkeypatch.setattr(inputs, "device_memory", lambda device: 1)
+    with pytest.raises(ValueError, match=r"^a batch of 2 \(2 rows each: cond_scale > 1\), gamma=4, max_length=6: "
+                                         r"this call plans .* more than the 1 B of memory"):
+        SpeculativeDecoder(make_model(0, cond_drop_prob=0.2)).sample(src, gamma=4, max_length=6, cond_scale=2.0)
+
+
+def test_device_memory_is_the_hosts():
+    from tts_specdec.inputs import device_memory
+
+    memory = device_memory(torch.device("cpu"))
+    assert memory is None or 2**28 < memory < 2**50

@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from ._upstream import TextToSemantic
-from .auto import AUTO, Costs, CostModel, SamplingPolicy
+from . import beam, speculative
+from .auto import AUTO, BEAM_GAMMAS, MAX_GAMMA, Costs, CostModel, SamplingPolicy
 from .beam import SEMANTICS, BeamSemantics, beam_search_loop
 from .decoder import Decoder
 from .inputs import (
-    check_common, check_draft_cond_scale, check_float, check_gamma, check_int, check_length_penalty, eval_mode,
-    prepare_source, walk,
+    check_beam_size, check_common, check_draft_cond_scale, check_draft_width, check_float, check_gamma, check_int,
+    check_length_penalty, check_memory, eval_mode, prepare_source, useful_gamma, walk,
 )
 from .results import Decoded, DecodeStats, most_used_gamma
 from .sampling import SamplingConfig
@@ -73,7 +74,10 @@ class SpeculativeDecoder:
         a seeded run's tokens depend on the gammas used: pass gamma="auto" to opt in (on the CPU auto times
         draft stops against a fixed gamma while it decodes, so a fixed generator reproduces a run only with
         `draft_confidence` given). A model without an early-exit head
-        decodes plainly under "auto"; an int gamma > 0 needs one.
+        decodes plainly under "auto"; an int gamma > 0 needs one. An int gamma is at most 256
+        (`inputs.MAX_FIXED_GAMMA`); greedy decoding lowers one past max_length - 1 to that (the same tokens:
+        stats.gamma is the gamma used). Sizes past what the device's memory holds are refused before
+        anything is allocated (docs/arguments.md).
 
         draft_confidence: with gamma > 0, a row stops drafting early, after a drafted token the
         draft gave less than this probability (gamma is then the most drafts per cycle); with "auto", the
@@ -98,6 +102,8 @@ class SpeculativeDecoder:
         auto = gamma == AUTO
         if auto and self.decoder.exit_layer is None:  # nothing to draft with: plain decoding
             gamma = 0
+        elif not auto and temperature == 0:  # greedy: the same tokens at every gamma
+            gamma = useful_gamma(gamma, max_length)
         if draft_confidence is not None:
             draft_confidence = check_float("draft_confidence", draft_confidence)
             if not 0 < draft_confidence <= 1:
@@ -117,6 +123,11 @@ class SpeculativeDecoder:
         stats, modules = self._begin()
         with eval_mode(self.model, modules):
             source = prepare_source(self.model, source, self.decoder.source_type, strict=source_mask is None)
+            drafts = MAX_GAMMA if gamma == AUTO else gamma  # auto drafts at most MAX_GAMMA a cycle
+            rows = source.shape[0] * (2 if cond_scale > 1 else 1)
+            check_memory(self.decoder, {"KV cache": self.decoder.cache_bytes(
+                rows, speculative.cache_positions(max_length, drafts))},
+                _sizes(source, cond_scale, gamma=gamma, max_length=max_length))
             policy = None
             if gamma == AUTO:
                 ways = self.costs.ways(self.decoder, source.shape[0], temperature > 0)
@@ -170,28 +181,39 @@ class SpeculativeDecoder:
         thread count, beam size and width (W: draft_width, default 2 * beam_size) and speculates only
         where that and the beam steps speculative cycles committed so far predict a win; otherwise it
         runs plain beam search. A model without an early-exit head runs plain beam search under "auto".
+
+        Sizes (docs/arguments.md): beam_size in [1, 1024] (upstream semantics: at most the vocabulary too);
+        an int gamma in [0, 256], lowered to max_length - 1 past it; draft_width >= beam_size, lowered to
+        beam_size x vocabulary past it (both: the same search). A call whose KV cache and draft tree would
+        not fit in the device's memory is refused before anything is allocated.
         """
         max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
-        beam_size = check_int("beam_size", beam_size, 1)
-        length_penalty = check_length_penalty(length_penalty)
         if beam_semantics not in SEMANTICS:
             raise ValueError(f"beam_semantics must be one of {SEMANTICS}, got {beam_semantics!r}")
-        if beam_semantics == "upstream" and beam_size > self.decoder.vocab_size:
-            raise ValueError(f"beam_size must be <= the vocabulary ({self.decoder.vocab_size}) with upstream "
-                             f"beam semantics (every beam proposes beam_size tokens), got {beam_size}")
+        vocab = self.decoder.vocab_size
+        beam_size = check_beam_size(beam_size, vocab, beam_semantics == "upstream")
+        length_penalty = check_length_penalty(length_penalty)
         temperature = check_float("temperature", temperature)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         gamma = check_gamma(gamma, self.decoder.exit_layer)
         auto = gamma == AUTO
-        if draft_width is not None:
-            draft_width = check_int("draft_width", draft_width, beam_size)
+        has_draft = self.decoder.exit_layer is not None
+        if not auto:  # no level is drafted past max_length: the same search
+            gamma = useful_gamma(gamma, max_length)
+        draft_width = check_draft_width(draft_width, beam_size, vocab)
         width = draft_width or (2 * beam_size if auto else beam_size)
         stats, modules = self._begin()
         with eval_mode(self.model, modules):
             source = prepare_source(self.model, source, self.decoder.source_type, strict=source_mask is None)
+            most = gamma  # the most levels a cycle drafts: auto's (its timed probes too) are BEAM_GAMMAS
             if auto:
-                has_draft = self.decoder.exit_layer is not None
+                most = useful_gamma(max(BEAM_GAMMAS), max_length) if has_draft else 0
+            check_memory(self.decoder, self._beam_plan(source.shape[0], beam_size, cond_scale > 1, most, width,
+                                                       max_length),
+                         _sizes(source, cond_scale, beam_size=beam_size, gamma=gamma,
+                                draft_width=width if most else None, max_length=max_length))
+            if auto:
                 gamma = self.costs.beam_gamma(self.decoder, beam_size, width) if has_draft else 0
             start = time.perf_counter()
             same = dict(semantics=beam_semantics, temperature=temperature, source_mask=source_mask, progress=progress)
@@ -222,6 +244,19 @@ class SpeculativeDecoder:
         stats.layer_evals = list(self.decoder.layer_evals)
         return Decoded(tokens, scores, stats)
 
+    def _beam_plan(self, batch: int, beam_size: int, guided: bool, gamma: int, width: int,
+                   max_length: int) -> dict[str, int]:
+        """What a beam search allocates up front (bytes by name): its KV cache and, speculative, the draft tree."""
+        roots = batch * beam_size
+        rows = roots * (2 if guided else 1)
+        if not gamma:
+            return {"KV cache": self.decoder.cache_bytes(rows, beam.cache_positions(max_length))}
+        from .spec_beam import cache_positions, tree_bytes
+
+        positions = cache_positions(max_length, gamma, width)
+        return {"KV cache": self.decoder.cache_bytes(rows, positions),
+                "draft tree": tree_bytes(self.decoder, roots, guided, gamma, width, positions)}
+
     def cost_model(self) -> CostModel | None:
         """The cost model gamma="auto" decides speculative sampling with, for the model's parameters,
         dtype, device and the thread count as they are now (measured on the first call for them, then
@@ -244,3 +279,10 @@ class SpeculativeDecoder:
     def _label(self, stats: DecodeStats, mode: str, gamma: int, draft_confidence: float | None) -> None:
         stats.mode, stats.gamma, stats.draft_confidence = mode, gamma, draft_confidence
         stats.exit_layer = self.decoder.exit_layer if gamma else None
+
+
+def _sizes(source: Tensor, cond_scale: float, **named: object) -> str:
+    """The arguments a call's memory grows with, for `check_memory`'s message."""
+    guided = " (2 rows each: cond_scale > 1)" if cond_scale > 1 else ""
+    given = ", ".join(f"{name}={value!r}" for name, value in named.items() if value is not None)
+    return f"a batch of {source.shape[0]}{guided}, {given}"

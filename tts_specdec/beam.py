@@ -298,6 +298,11 @@ def _is_done(state: BeamState, i: int, best_live: float, norm: float) -> bool:
     return len(heap) == state.beam_size and best_live / norm <= heap[0][0]
 
 
+def cache_positions(max_length: int) -> int:
+    """Positions a beam search's cache starts with (it grows as the beams get longer)."""
+    return min(max_length, 256) + 1
+
+
 def beam_search_loop(
     dec: Decoder,
     source: Tensor,
@@ -321,7 +326,7 @@ def beam_search_loop(
     enc = encode_beams(dec, source, k, guided, source_mask)
     # by reference: a beam step reorders slot tables, never K/V (every row writes slot t at step t),
     # where the backend reads slot tables
-    cache = dec.new_cache(enc.rows, min(max_length, 256) + 1, by_reference=dec.backend.by_reference)
+    cache = dec.new_cache(enc.rows, cache_positions(max_length), by_reference=dec.backend.by_reference)
     state = BeamState.initial(batch, k, length_penalty, dec.eos_id, source.device, semantics)
     layers = range(dec.depth)
     x = dec.start(enc.rows)

@@ -214,6 +214,11 @@ class Decoder:
             return first
         return Decoder.per_row(pos, guided)
 
+    def cache_bytes(self, rows: int, capacity: int) -> int:
+        """Bytes of K and V that `new_cache(rows, capacity)` allocates."""
+        per_slot = 2 * self.depth * self.kv_heads * self.dim_head * self.dtype.itemsize
+        return rows * self.backend.capacity(capacity) * per_slot
+
     def new_cache(self, rows: int, capacity: int, by_reference: bool = False) -> KVCache:
         capacity = self.backend.capacity(capacity)
         self._ensure_rope(capacity)

@@ -42,7 +42,7 @@ from torch import Tensor
 from ._upstream import TextToSemantic, _spear, quiet_progress
 from .api import SpeculativeDecoder
 from .beam import BeamSemantics
-from .inputs import check_cond_scale, check_float, prepare_source
+from .inputs import check_cond_scale, check_float, check_gamma, prepare_source
 
 _CACHE = "_tts_specdec_decoders"  # the model's own attribute: per direction, its SpeculativeDecoder
 
@@ -97,7 +97,8 @@ def generate(
     # search: `SpeculativeDecoder`'s defaults), plain sampling otherwise
     has_draft = dec.decoder.exit_layer is not None
     if spec_decode:
-        gamma: int | str | None = spec_decode_gamma if has_draft else 0
+        # checked on every path: spear-tts's own sampling loop (filters without an equivalent) ignores it
+        gamma: int | str | None = check_gamma(spec_decode_gamma, dec.decoder.exit_layer) if has_draft else 0
     else:
         gamma = "auto" if beam_search_decode else None
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
-from typing import Iterator, Sequence
+import os
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from ._upstream import TextToSemantic
+
+if TYPE_CHECKING:
+    from .decoder import Decoder
 
 
 def prepare_source(
@@ -62,11 +67,13 @@ def prepare_source(
     return source
 
 
-def check_int(name: str, value: object, minimum: int) -> int:
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
     return int(value)
 
 
@@ -120,22 +127,113 @@ def check_common(model: TextToSemantic, *, max_length: object, cond_scale: objec
     return max_length, cond_scale
 
 
+# ---- sizes: checked before anything is allocated ---------------------------------------------
+# A size past these ceilings is taken for a mistake (10**6 typed for 10**1) and refused; past what the
+# call can use it is lowered only where the result provably stays the same (`useful_gamma`,
+# `check_draft_width`); what is left is checked against the device's memory (`check_memory`).
+
+# Every beam is a row of every decoder pass and of the KV cache (16 KiB per position on the shipped
+# model), and a step ranks beam_size x vocabulary candidates per item: 1024 beams cost about what a
+# thousand plain decodes cost, per step. Results stop improving far below that (wide beams favour short,
+# degenerate outputs: Stahlberg & Byrne 2019); the widest beam the tests and benchmarks use is 32 (an
+# exhaustive search over a 3-token vocabulary, which is why the ceiling is not the vocabulary itself).
+MAX_BEAM_SIZE = 1024
+# A fixed gamma (drafts per cycle). A run of g drafts is kept whole with probability alpha^g: under 8% at
+# g = 256 even for a draft that agrees 99% of the time, while every draft costs a draft step, a cache slot
+# per row and, in speculative beam search, a tree level of draft_width nodes (the tree's masks grow with
+# the square of gamma x draft_width). 256 units are 5 s of speech; gamma="auto" drafts at most 10.
+MAX_FIXED_GAMMA = 256
+
+
 def check_gamma(gamma: object, exit_layer: int | None) -> int | str:
-    """An int >= 0, or "auto" (returned as is; `auto.AUTO`). An int > 0 needs a draft (an early-exit head);
-    "auto" on a model without one is the caller's to resolve to 0."""
+    """An int in [0, MAX_FIXED_GAMMA], or "auto" (returned as is; `auto.AUTO`). An int > 0 needs a draft
+    (an early-exit head); "auto" on a model without one is the caller's to resolve to 0."""
     if isinstance(gamma, str):
         if gamma != "auto":
-            raise ValueError(f"gamma must be an int >= 0 or 'auto', got {gamma!r}")
+            raise ValueError(f"gamma must be an int in [0, {MAX_FIXED_GAMMA}] or 'auto', got {gamma!r}")
         return gamma
     if isinstance(gamma, bool) or not isinstance(gamma, numbers.Integral):
         raise TypeError(f"gamma must be an int or 'auto', got {type(gamma).__name__}")
-    gamma = check_int("gamma", gamma, 0)
+    gamma = check_int("gamma", gamma, 0, MAX_FIXED_GAMMA)
     if gamma > 0 and exit_layer is None:
         raise ValueError(
             "gamma > 0 needs a draft: the model has no early-exit head (set target_early_exit_layer "
             "when building TextToSemantic), or the direction is not text -> speech"
         )
     return gamma
+
+
+def useful_gamma(gamma: int, max_length: int) -> int:
+    """The most drafts a cycle can use: a cycle emits its accepted drafts and one token more, so past
+    max_length - 1 drafts every row has ended (speculative beam search already drafts no level past
+    max_length). At least 1 for gamma > 0, which stays speculative. Lower gamma to it only where gamma
+    cannot change the result: greedy decoding and beam search (a seeded sampling run draws by gamma)."""
+    return min(gamma, max(1, max_length - 1)) if gamma > 0 else 0
+
+
+def check_beam_size(beam_size: object, vocab: int, upstream: bool) -> int:
+    """An int in [1, MAX_BEAM_SIZE]; with spear-tts's beam semantics also at most the vocabulary."""
+    beam_size = check_int("beam_size", beam_size, 1, MAX_BEAM_SIZE)
+    if upstream and beam_size > vocab:
+        raise ValueError(f"beam_size must be <= the vocabulary ({vocab}) with upstream beam semantics "
+                         f"(every beam proposes beam_size tokens), got {beam_size}")
+    return beam_size
+
+
+def check_draft_width(draft_width: object, beam_size: int, vocab: int) -> int | None:
+    """None (the caller's default), or an int >= beam_size, lowered to beam_size x vocabulary: a draft
+    level has no more candidates than that, so a wider one keeps the same nodes (the same search)."""
+    if draft_width is None:
+        return None
+    return min(check_int("draft_width", draft_width, beam_size), beam_size * vocab)
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory on `device`: a GPU's total memory; for the CPU the machine's physical memory, or
+    its container's limit (cgroup v2 or v1) where that is lower. None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return _host_memory() if device.type == "cpu" else None
+
+
+@functools.lru_cache(maxsize=1)
+def _host_memory() -> int | None:
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX
+        return None
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) or a value past the machine's (v1): no limit
+            memory = min(memory, int(text))
+    return memory
+
+
+def check_memory(dec: "Decoder", planned: dict[str, int], sizes: str) -> None:
+    """Refuse a call whose planned tensors (name -> bytes: the KV cache, speculative beam search's draft
+    tree) together exceed the device's memory, before any of them is allocated. `sizes`: the arguments
+    they grow with, as `name=value, ...`, for the message. A plan is what a call allocates up front: a
+    cache grows later only as rows get longer, so max_length is not held against it."""
+    limit = device_memory(dec.device)
+    total = sum(planned.values())
+    if limit is None or total <= limit:
+        return
+    parts = " + ".join(f"{name} {_size(n)}" for name, n in planned.items() if n)
+    raise ValueError(f"{sizes}: this call plans {_size(total)} ({parts}), more than the {_size(limit)} of memory "
+                     f"of this {dec.device.type} device; lower one of them")
+
+
+def _size(n: float) -> str:
+    """Bytes as people read them: 512 B, 1.5 KiB, ..., 3.2 TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def walk(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Parameter]]:

@@ -103,6 +103,20 @@ class _Together:
         return self.first[item][self.stop]
 
 
+def cache_positions(max_length: int, gamma: int, width: int) -> int:
+    """Positions a speculative beam search's cache starts with: the prefix and a cycle's whole tree."""
+    return min(max_length, 256) + 2 + gamma * width
+
+
+def tree_bytes(dec: Decoder, roots: int, guided: bool, gamma: int, width: int, positions: int) -> int:
+    """Bytes of a cycle's tree tensors every backend allocates, for `roots` beams at `gamma` levels of
+    `width` nodes: the ancestor masks (roots, m, m) of the m = 1 + gamma * width nodes a row may hold
+    (`draft`), and a tree pass's boolean mask over the cache's positions (rows, m, positions) with the
+    additive copy the backends attend with. A lower bound of the cycle's peak (attention takes more)."""
+    m, rows = 1 + gamma * width, roots * (2 if guided else 1)
+    return roots * m * m + rows * m * dec.backend.capacity(positions) * (1 + dec.dtype.itemsize)
+
+
 def spec_beam_search_loop(
     dec: Decoder,
     source: Tensor,
@@ -125,7 +139,7 @@ def spec_beam_search_loop(
     guided = cond_scale > 1
     width = min(draft_width, k * dec.vocab_size)
     enc = encode_beams(dec, source, k, guided, source_mask)
-    cache = dec.new_cache(enc.rows, min(max_length, 256) + 2 + gamma * width)
+    cache = dec.new_cache(enc.rows, cache_positions(max_length, gamma, width))
     together = _Together(batch, max_length) if semantics == "upstream" else None
     states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device, semantics, stop_together=False)
               for _ in range(batch)]

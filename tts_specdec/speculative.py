@@ -67,6 +67,11 @@ class _Rows:
     pos_t: Tensor  # the committed positions on the device, advanced there (a copy of `pos` would wait for a GPU)
 
 
+def cache_positions(max_length: int, gamma: int) -> int:
+    """Positions a sampling call's cache starts with (it grows as rows get longer)."""
+    return min(max_length, 256) + gamma + 2
+
+
 def sample_loop(
     dec: Decoder,
     source: Tensor,
@@ -97,7 +102,7 @@ def sample_loop(
     batch, device = source.shape[0], source.device
     guide = _Guidance(cond_scale > 1, cond_scale, cond_scale if draft_cond_scale is None else draft_cond_scale)
     enc = dec.encode(source, guide.on, source_mask)
-    cache = dec.new_cache(enc.rows, min(max_length, 256) + gamma + 2)
+    cache = dec.new_cache(enc.rows, cache_positions(max_length, gamma))
     out: list[list[int]] = [[] for _ in range(batch)]
     rows = _Rows(list(range(batch)), [0] * batch, dec.start(enc.rows), torch.zeros(batch, dtype=torch.long, device=device))
     clock = PhaseClock(device)

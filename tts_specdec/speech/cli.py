@@ -44,13 +44,20 @@ def user_errors(prog: str) -> Iterator[None]:
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """argparse type: an integer >= minimum."""
+    return int_in(minimum)
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse type: an integer in [low, high] (high None: no upper bound)."""
+    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
         return value
     return parse
 
