@@ -14,8 +14,8 @@ from .auto import AUTO, BEAM_GAMMAS, MAX_GAMMA, Costs, CostModel, SamplingPolicy
 from .beam import SEMANTICS, BeamSemantics, beam_search_loop
 from .decoder import Decoder
 from .inputs import (
-    check_beam_size, check_common, check_draft_cond_scale, check_draft_width, check_float, check_gamma, check_int,
-    check_length_penalty, check_memory, eval_mode, prepare_source, useful_gamma, walk,
+    check_beam_size, check_common, check_compile, check_draft_cond_scale, check_draft_width, check_float, check_gamma,
+    check_int, check_length_penalty, check_memory, eval_mode, prepare_source, useful_gamma, walk,
 )
 from .results import Decoded, DecodeStats, most_used_gamma
 from .sampling import SamplingConfig
@@ -36,9 +36,7 @@ class SpeculativeDecoder:
         for name, value in (("source_type", source_type), ("target_type", target_type)):
             if value not in ("text", "speech"):
                 raise ValueError(f"{name} must be 'text' or 'speech', got {value!r}")
-        if not isinstance(compile, (bool, str)):
-            raise TypeError(f"compile must be a bool or a torch.compile backend name, got {type(compile).__name__}")
-        self.decoder = Decoder(model, source_type, target_type, compile)
+        self.decoder = Decoder(model, source_type, target_type, check_compile(compile))
         self.costs = Costs()  # gamma="auto": this decoder's measured costs, kept across calls
 
     @property

@@ -27,6 +27,9 @@ Mapping of spear-tts's arguments (docs/dropin.md has the table):
   padding (spear-tts's `mask_after_eos`, applied here to every row: spear-tts skips it when some row
   runs to max_length); `return_source` / `return_target_mask` as spear-tts.
 - `spec_decode_lenience` other than 1 (spear-tts's lossy acceptance) is refused: decoding here is exact.
+- compile (added keyword, or given to `patch` / `patched`): True or a torch.compile backend name decodes on
+  `SpeculativeDecoder(model, compile=...)`'s static compiled steps (CUDA graphs on a GPU), the same tokens
+  as the default path; the filters without an equivalent still run spear-tts's own loop.
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ from torch import Tensor
 from ._upstream import TextToSemantic, _spear, quiet_progress
 from .api import SpeculativeDecoder
 from .beam import BeamSemantics
-from .inputs import check_cond_scale, check_float, check_gamma, prepare_source
+from .inputs import check_compile, check_cond_scale, check_float, check_gamma, prepare_source
 
-_CACHE = "_tts_specdec_decoders"  # the model's own attribute: per direction, its SpeculativeDecoder
+_CACHE = "_tts_specdec_decoders"  # the model's own attribute: per direction and compile, its SpeculativeDecoder
+_COMPILE = "_tts_specdec_compile"  # the model's own attribute: the compile `patch` was given
 
 
 def generate(
@@ -73,12 +77,18 @@ def generate(
     draft_cond_scale: float | None = None,
     generator: torch.Generator | None = None,
     progress: bool = True,
+    compile: bool | str | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """`TextToSemantic.generate` with the same arguments and returns; see the module docstring.
 
     progress: a tqdm bar over max_length where spear-tts draws one (its plain sampling and beam loops,
-    not spec_decode); False: none."""
+    not spec_decode); False: none.
+    compile: decode on static compiled steps (`SpeculativeDecoder`'s compile: True for inductor, or a
+    torch.compile backend name); None: what `patch` was given for this model, else False. The compiled
+    decoder is built on the first call and kept with the model: later calls of the same shapes compile
+    nothing; moving the model to another device or dtype builds a new one."""
     model = _unwrap(model)
+    compile = check_compile(model.__dict__.get(_COMPILE, False) if compile is None else compile)
     temperature = check_float("temperature", temperature)
     if temperature < 0:  # spear-tts divides by max(temperature, 1e-10): greedy
         temperature = 0.0
@@ -90,7 +100,7 @@ def generate(
     check_cond_scale("cond_scale", cond_scale)  # before any path, spear-tts's own loop included
     filter_fn = _spear.top_k if filter_logits_fn is None else filter_logits_fn
     kwargs = dict(filter_fn_kwargs or {})
-    dec = _decoder(model, source_type, target_type)
+    dec = _decoder(model, source_type, target_type, compile)
     given = source
     ids, mask = _source(model, source, source_type, source_mask)
     # spec_decode: the caller's gamma; else "auto" where gamma cannot change the output (greedy and beam
@@ -161,36 +171,43 @@ def _masked(target: Tensor, eos: int | None, pad: int) -> Tensor:
     return target if eos is None else _spear.mask_after_eos(target, eos, pad)
 
 
-def patch(model: TextToSemantic) -> TextToSemantic:
+def patch(model: TextToSemantic, compile: bool | str = False) -> TextToSemantic:
     """Install `generate` on this model instance: existing `model.generate(...)` calls run here.
 
+    compile: True (inductor) or a torch.compile backend name: those calls decode on static compiled steps
+    (see `generate`); a call's own `compile=` overrides it.
     spear-tts's own method stays reachable as `TextToSemantic.generate(model, ...)`; `unpatch` restores it.
     A torch.compile'd model is patched through the module it wraps. Returns the model given.
     """
     inner = _unwrap(model)
+    compile = check_compile(compile)
     if type(inner).generate is not TextToSemantic.generate:
         raise TypeError(
             f"{type(inner).__name__} overrides generate(): patching would bypass it. Call "
             "tts_specdec.generate(model, ...) where you want this decoding, or patch a plain TextToSemantic"
         )
     inner.generate = types.MethodType(generate, inner)
+    inner.__dict__[_COMPILE] = compile
     return model
 
 
 def unpatch(model: TextToSemantic) -> TextToSemantic:
-    """Undo `patch`: `model.generate` is spear-tts's again and the cached decoders are dropped."""
+    """Undo `patch`: `model.generate` is spear-tts's again and the cached decoders (compiled ones
+    included) are dropped."""
     inner = _unwrap(model)
     bound = inner.__dict__.get("generate")
     if isinstance(bound, types.MethodType) and bound.__func__ is generate:
         del inner.__dict__["generate"]
     inner.__dict__.pop(_CACHE, None)
+    inner.__dict__.pop(_COMPILE, None)
     return model
 
 
 @contextlib.contextmanager
-def patched(model: TextToSemantic) -> Iterator[TextToSemantic]:
-    """`with tts_specdec.patched(model): model.generate(...)` runs here inside the block only."""
-    patch(model)
+def patched(model: TextToSemantic, compile: bool | str = False) -> Iterator[TextToSemantic]:
+    """`with tts_specdec.patched(model): model.generate(...)` runs here inside the block only (compile:
+    as `patch`'s)."""
+    patch(model, compile)
     try:
         yield model
     finally:
@@ -237,15 +254,27 @@ class _Decoders(dict):
         return (_Decoders, ())
 
 
-def _decoder(model: TextToSemantic, source_type: str, target_type: str) -> SpeculativeDecoder:
-    """One decoder per model and direction, reused across calls (it re-reads weights every call)."""
+def _decoder(model: TextToSemantic, source_type: str, target_type: str, compile: bool | str) -> SpeculativeDecoder:
+    """One decoder per model, direction and compile, reused across calls: it checks the weights every call
+    (`Decoder.begin`: storage, versions, values) and rebuilds what it prepared from them when they changed.
+
+    A compiled decoder is also tied to the device and dtype it was built on: its graphs were traced for
+    them (and on a GPU, captured as CUDA graphs reading its weights in place). A model moved since gets a
+    new decoder in place of the old one, whose graphs are then freed with it, rather than graphs added
+    to the old one's for every placement the model has had."""
     per_model = model.__dict__.get(_CACHE)
     if per_model is None:
         per_model = model.__dict__[_CACHE] = _Decoders()
-    key = (source_type, target_type)
-    if key not in per_model:
-        per_model[key] = SpeculativeDecoder(model, source_type=source_type, target_type=target_type)
-    return per_model[key]
+    key = (source_type, target_type, compile)
+    placed = None
+    if compile:
+        start = model.start_token[target_type]  # `Decoder.device` and `.dtype` read the same parameter
+        placed = (start.device, start.dtype)
+    kept = per_model.get(key)
+    if kept is None or kept[0] != placed:
+        kept = per_model[key] = (placed, SpeculativeDecoder(
+            model, source_type=source_type, target_type=target_type, compile=compile))
+    return kept[1]
 
 
 def _source(

@@ -85,6 +85,21 @@ def check_float(name: str, value: object) -> float:
     return float(value)
 
 
+def check_compile(compile: object) -> bool | str:
+    """`compile`: False (the default path), True (inductor) or the name of a registered torch.compile
+    backend; an unknown name is refused here rather than at the first compiled step."""
+    if not isinstance(compile, (bool, str)):
+        raise TypeError(f"compile must be a bool or a torch.compile backend name, got {type(compile).__name__}")
+    if isinstance(compile, str):
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if compile not in known:
+            raise ValueError(f"compile must be True, False or a torch.compile backend ({', '.join(known)}), "
+                             f"got {compile!r}")
+    return compile
+
+
 def check_draft_cond_scale(value: object, cond_scale: float, gamma: int | None = None) -> float | None:
     """`draft_cond_scale`: None, or a scale >= 1 for a draft that is guided (cond_scale > 1, and gamma > 0
     where the caller drafts only then; gamma None: it always drafts)."""
