@@ -192,7 +192,7 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
             for w in widths:
                 modes.append(Mode(f"ours speculative beam (beam {k}, gamma={bg}, W={w})",
                                   ours("beam_search", beam_size=k, gamma=bg, draft_width=w), f"ours beam search (beam {k})"))
-        dropin = _dropin(model)
+        dropin = _dropin(model, args.compile)  # --compile: the drop-in's compiled path too
         if dropin is not None and upstream_beam:
             bg, w = args.beam_gamma[0], widths[0]  # the first setting: the fastest on our CPU runs
 
@@ -232,12 +232,12 @@ def _has_spec_beam() -> bool:
     return True
 
 
-def _dropin(model: TextToSemantic) -> Callable | None:
+def _dropin(model: TextToSemantic, compile: bool | str = False) -> Callable | None:
     try:
         from tts_specdec import generate
     except ImportError:
         return None
-    return lambda source, **kw: generate(model, source, **kw)
+    return lambda source, **kw: generate(model, source, compile=compile, **kw)
 
 
 def measure(modes: list[Mode], reps: int) -> None:

@@ -59,7 +59,7 @@ def table(runs: dict) -> list[dict]:
             c = compiled.get(mode)
             line = {"setup": setup, "mode": mode, "eager_tokens_per_s": e["tokens_per_s"],
                     "eager_speedup": e.get("speedup"), "vs": e.get("vs")}
-            if c is not None and not mode.startswith(("spear-tts", "drop-in")):  # upstream rows: never compiled
+            if c is not None and not mode.startswith("spear-tts"):  # upstream rows: never compiled
                 line.update(compiled_tokens_per_s=c["tokens_per_s"], compiled_speedup=c.get("speedup"),
                             compiled_over_eager=c["tokens_per_s"] / e["tokens_per_s"])
             lines.append(line)
