@@ -37,13 +37,16 @@ from .timing import PhaseClock
 
 @dataclass
 class _Live:
-    """Active items at the start of a cycle; root row a*K + j is beam j of active item a."""
+    """Active items at the start of a cycle. Cache rows a*K..a*K+K-1 hold active item a's K live beams, in
+    any order: a new beam stays in its root's row where it is the first to descend from it (`commit`), so
+    a cycle moves the K/V of only the other new beams."""
 
     items: list[int]  # original index of each active item
     states: list[BeamState]  # one per active item: items advance by different numbers of steps
     pos: Tensor  # (A,) generated tokens = slot and position of every live beam's pending input
     lengths: list[int]  # the same on the host (no read-back to size a cycle)
-    x: Tensor  # (A * K * g, 1, dim) pending inputs (not yet through any layer)
+    rows: list[int]  # (A * K) the cache row of each live beam, in the states' beam order
+    x: Tensor  # (A * K * g, 1, dim) pending inputs (not yet through any layer), by cache row
     enc: Encoded  # one entry per cache row
 
 
@@ -60,6 +63,7 @@ class _Tree:
     h: Tensor  # (R * g, M, dim) exit states by row and index
     count: Tensor  # (R,) nodes per row
     count_host: list[int] | None  # the same on the host, where passes are cut to it (None: static shapes)
+    row_host: list[int]  # `row` on the host (read with the children)
     children: dict[tuple[int, int], int]  # (parent node, token) -> node
 
 
@@ -134,6 +138,7 @@ def spec_beam_search_loop(
     states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device, semantics, stop_together=False)
               for _ in range(batch)]
     live = _Live(list(range(batch)), states, torch.zeros(batch, dtype=torch.long, device=device), [0] * batch,
+                 list(range(batch * k)),
                  dec.start(enc.rows), enc)
     done: dict[int, BeamState] = {}
     stats.committed_hist = [0] * (gamma + 2)
@@ -189,7 +194,9 @@ def draft(
     anc = torch.eye(m_max, dtype=torch.bool, device=device).repeat(r_n, 1, 1)
     depth = torch.zeros(r_n, m_max, dtype=torch.long, device=device)
     hs = live.x.new_zeros(r_n * g, m_max, dim)
-    score = torch.cat([s.scores for s in live.states]).flatten()  # (R,) target scores of the roots
+    score = torch.cat([s.scores for s in live.states]).flatten()  # (R,) target scores of the live beams
+    if live.rows != list(range(r_n)):  # by root row
+        score = torch.empty_like(score).index_copy_(0, torch.tensor(live.rows, device=device), score)
     roots = torch.arange(r_n, device=device)
     zeros = torch.zeros_like(roots)
     # the current level's nodes (item-major): rows, indexes in their rows, ranks among the row's new nodes
@@ -251,9 +258,10 @@ def draft(
             per_row_host = per_row.tolist()
             first_host, count_host = count_host, [a + b for a, b in zip(count_host, per_row_host)]
     row, index, parent, token, path = (torch.cat(f) for f in zip(*nodes))
-    parent_l, token_l = torch.stack((parent[r_n:], token[r_n:])).tolist()  # one read-back
+    row_l, parent_l, token_l = torch.stack((row[r_n:], parent[r_n:], token[r_n:])).tolist()  # one read-back
     children = {(p, tk): n + r_n for n, (p, tk) in enumerate(zip(parent_l, token_l))}
-    return _Tree(row, index, path, anc, depth, hs, count, None if static else count_host, children)
+    return _Tree(row, index, path, anc, depth, hs, count, None if static else count_host, list(range(r_n)) + row_l,
+                 children)
 
 
 def _tree_pass(
@@ -298,7 +306,7 @@ def replay(
     advances = []
     for a, state in enumerate(live.states):
         k = state.beam_size
-        nodes = list(range(a * k, (a + 1) * k))  # the roots: this item's live beams
+        nodes = live.rows[a * k : (a + 1) * k]  # the roots (node id = row): this item's live beams
         steps = 0
         if together is not None and state.length >= together.stop:  # T became known after it passed T
             advances.append(_Advance(0, None, None))
@@ -328,17 +336,33 @@ def replay(
 def commit(
     dec: Decoder, live: _Live, tree: _Tree, advances: list[_Advance], cache: KVCache, guided: bool
 ) -> _Live:
-    """New beam j takes its root's row, then its accepted path's K/V move to slots t+1.., t+steps-1."""
+    """New beam j takes a row of its item: its root's row if it is the first new beam from that root, else a
+    row no new beam descends from (the root's K/V copied there: one reorder per cycle, of those rows only);
+    then its accepted path's K/V move to slots t+1.., t+steps-1."""
     kept = [a for a, adv in enumerate(advances) if adv.parents is not None]
     device, k = live.pos.device, live.states[0].beam_size
     if not kept:
-        return _Live([], [], live.pos[:0], [], live.x[:0], live.enc)
+        return _Live([], [], live.pos[:0], [], [], live.x[:0], live.enc)
     steps_l = [advances[a].steps for a in kept]
-    # one copy to the device (each copy of host data waits for a GPU): kept items, their steps, the nodes
-    sent = torch.tensor(kept + steps_l + [p for a in kept for p in advances[a].parents], device=device)
-    kept_t, steps, node = sent[: len(kept)], sent[len(kept) : 2 * len(kept)], sent[2 * len(kept) :]
+    nodes = [p for a in kept for p in advances[a].parents]
+    source, rows = [], []  # per new row (kept items' blocks in order): the old row it copies; per new beam: its row
+    for i, a in enumerate(kept):
+        roots = [tree.row_host[p] for p in advances[a].parents]
+        firsts = {r: j for j, r in reversed(list(enumerate(roots)))}  # root -> its first new beam
+        free = iter(r for r in range(a * k, (a + 1) * k) if r not in firsts)
+        own = [r if firsts[r] == j else next(free) for j, r in enumerate(roots)]
+        block = [0] * k
+        for r, new in zip(roots, own):
+            block[new - a * k] = r
+        source += block
+        rows += [i * k + new - a * k for new in own]
+    # one copy to the device (each copy of host data waits for a GPU): kept items, their steps, the beams'
+    # nodes and rows, the rows' sources
+    sent = torch.tensor(kept + steps_l + nodes + rows + source, device=device)
+    kept_t, steps, node, rows_t, source_t = sent.split([len(kept), len(kept), len(nodes), len(rows), len(source)])
     pos = live.pos[kept_t] + steps
-    cache.reorder(dec.rows(tree.row[node], guided))
+    if source != list(range(len(live.rows))):
+        cache.reorder(dec.rows(source_t, guided))
     # the accepted path of each new beam: ancestors of its parent node at depths 1..steps-1
     s_max = max(steps_l) - 1
     if s_max > 0:
@@ -348,14 +372,14 @@ def commit(
         valid = span <= (steps.repeat_interleave(k) - 1)[:, None]
         dst = t[:, None] + span
         src = torch.where(valid, t[:, None] + path, dst)  # invalid columns copy a slot onto itself
-        rows = torch.arange(node.numel(), device=device)
-        cache.move_slots(dec.rows(rows, guided), dec.per_row(src, guided), dec.per_row(dst, guided))
+        cache.move_slots(dec.rows(rows_t, guided), dec.per_row(src, guided), dec.per_row(dst, guided))
     cache.crop(dec.per_row(pos.repeat_interleave(k), guided))
     tokens = torch.cat([advances[a].tokens for a in kept])
+    tokens = torch.empty_like(tokens).index_copy_(0, rows_t, tokens)  # by row
     # the source side only changes when an item finished (every beam of an item shares it)
     enc = live.enc if len(kept) == len(advances) else live.enc.select(dec.rows(item_rows(kept_t, k), guided))
     lengths = [live.lengths[a] + n for a, n in zip(kept, steps_l)]
-    return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, lengths,
+    return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, lengths, rows,
                  dec.embed(tokens[:, None], guided), enc)
 
 
