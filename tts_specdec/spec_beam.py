@@ -9,8 +9,9 @@ Per cycle, every active item at its own length t (its live beams' pending inputs
           log-probs after every draft node and after every live beam
   replay  `beam.beam_step` on those log-probs while every live beam is a verified node; the first
           step whose new beams leave the tree is still committed (its log-probs were exact)
-  commit  new beam j = its root's row (one reorder per cycle), its accepted path's K/V moved from
-          their tree slots to slots t+1.., cropped to t + committed steps
+  commit  new beam j keeps its root's row if it is the first new beam from that root, else takes a row of
+          its item that no new beam descends from (one reorder per cycle, of those rows only); its
+          accepted path's K/V moved from their tree slots to slots t+1.., cropped to t + committed steps
 The result is token for token what `beam.beam_search_loop` returns, for either beam semantics. With
 spear-tts's ("upstream"), items advance at different rates but the search stops for all of them
 together (`_Together`).
