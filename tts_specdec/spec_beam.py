@@ -47,6 +47,7 @@ class _Live:
     pos: Tensor  # (A,) generated tokens = slot and position of every live beam's pending input
     lengths: list[int]  # the same on the host (no read-back to size a cycle)
     rows: list[int]  # (A * K) the cache row of each live beam, in the states' beam order
+    rows_t: Tensor  # the same on the device (sent with the commit's one copy)
     x: Tensor  # (A * K * g, 1, dim) pending inputs (not yet through any layer), by cache row
     enc: Encoded  # one entry per cache row
 
@@ -139,7 +140,7 @@ def spec_beam_search_loop(
     states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device, semantics, stop_together=False)
               for _ in range(batch)]
     live = _Live(list(range(batch)), states, torch.zeros(batch, dtype=torch.long, device=device), [0] * batch,
-                 list(range(batch * k)),
+                 list(range(batch * k)), torch.arange(batch * k, device=device),
                  dec.start(enc.rows), enc)
     done: dict[int, BeamState] = {}
     stats.committed_hist = [0] * (gamma + 2)
@@ -197,7 +198,7 @@ def draft(
     hs = live.x.new_zeros(r_n * g, m_max, dim)
     score = torch.cat([s.scores for s in live.states]).flatten()  # (R,) target scores of the live beams
     if live.rows != list(range(r_n)):  # by root row
-        score = torch.empty_like(score).index_copy_(0, torch.tensor(live.rows, device=device), score)
+        score = torch.empty_like(score).index_copy_(0, live.rows_t, score)
     roots = torch.arange(r_n, device=device)
     zeros = torch.zeros_like(roots)
     # the current level's nodes (item-major): rows, indexes in their rows, ranks among the row's new nodes
@@ -343,7 +344,7 @@ def commit(
     kept = [a for a, adv in enumerate(advances) if adv.parents is not None]
     device, k = live.pos.device, live.states[0].beam_size
     if not kept:
-        return _Live([], [], live.pos[:0], [], [], live.x[:0], live.enc)
+        return _Live([], [], live.pos[:0], [], [], live.rows_t[:0], live.x[:0], live.enc)
     steps_l = [advances[a].steps for a in kept]
     nodes = [p for a in kept for p in advances[a].parents]
     source, rows = [], []  # per new row (kept items' blocks in order): the old row it copies; per new beam: its row
@@ -380,7 +381,7 @@ def commit(
     # the source side only changes when an item finished (every beam of an item shares it)
     enc = live.enc if len(kept) == len(advances) else live.enc.select(dec.rows(item_rows(kept_t, k), guided))
     lengths = [live.lengths[a] + n for a, n in zip(kept, steps_l)]
-    return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, lengths, rows,
+    return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, lengths, rows, rows_t,
                  dec.embed(tokens[:, None], guided), enc)
 
 
