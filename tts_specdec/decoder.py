@@ -25,8 +25,8 @@ from .cache import KVCache
 from .encoder import SourceEncoder
 from . import backends, kernels
 from .backends import Backend
-from .backends.torch_eager import additive
 from .kernels import Packed
+from .masks import additive
 from .weights import _FeedForward, _normed_mm, _packed_or, _split, _t, rope_tables
 
 

@@ -9,8 +9,9 @@ Per cycle, every active item at its own length t (its live beams' pending inputs
           log-probs after every draft node and after every live beam
   replay  `beam.beam_step` on those log-probs while every live beam is a verified node; the first
           step whose new beams leave the tree is still committed (its log-probs were exact)
-  commit  new beam j = its root's row (one reorder per cycle), its accepted path's K/V moved from
-          their tree slots to slots t+1.., cropped to t + committed steps
+  commit  new beam j keeps its root's row if it is the first new beam from that root, else takes a row of
+          its item that no new beam descends from (one reorder per cycle, of those rows only); its
+          accepted path's K/V moved from their tree slots to slots t+1.., cropped to t + committed steps
 The result is token for token what `beam.beam_search_loop` returns, for either beam semantics. With
 spear-tts's ("upstream"), items advance at different rates but the search stops for all of them
 together (`_Together`).
@@ -18,6 +19,7 @@ together (`_Together`).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,33 +31,41 @@ from .beam import BeamSemantics, BeamState, beam_step, encode_beams, item_rows, 
 from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .finite import NonFiniteLogits
+from .masks import additive
 from .results import DecodeStats
 from .timing import PhaseClock
 
 
 @dataclass
 class _Live:
-    """Active items at the start of a cycle; root row a*K + j is beam j of active item a."""
+    """Active items at the start of a cycle. Cache rows a*K..a*K+K-1 hold active item a's K live beams, in
+    any order: a new beam stays in its root's row where it is the first to descend from it (`commit`), so
+    a cycle moves the K/V of only the other new beams."""
 
     items: list[int]  # original index of each active item
     states: list[BeamState]  # one per active item: items advance by different numbers of steps
     pos: Tensor  # (A,) generated tokens = slot and position of every live beam's pending input
     lengths: list[int]  # the same on the host (no read-back to size a cycle)
-    x: Tensor  # (A * K * g, 1, dim) pending inputs (not yet through any layer)
+    rows: list[int]  # (A * K) the cache row of each live beam, in the states' beam order
+    rows_t: Tensor  # the same on the device (sent with the commit's one copy)
+    x: Tensor  # (A * K * g, 1, dim) pending inputs (not yet through any layer), by cache row
     enc: Encoded  # one entry per cache row
 
 
 @dataclass
 class _Tree:
-    """The draft forest of one cycle. Node ids: roots 0..R-1 (= root rows), then in creation order."""
+    """The draft forest of one cycle. Node ids: roots 0..R-1 (= root rows), then level by level, each level
+    item-major (`draft`)."""
 
     row: Tensor  # (N,) root row holding the node
     index: Tensor  # (N,) the node's place in its row: slot = t + index (roots: 0)
-    depth: Tensor  # (N,)
-    parent: Tensor  # (N,) parent node, -1 for roots
-    anc: Tensor  # (R, M, M) anc[r, i, j]: node j of row r is an ancestor of node i, or i itself
+    path: Tensor  # (N, levels) index of the node's ancestor at depth 1..levels (itself at its depth; 0 below it)
+    anc: Tensor  # (R, M, M) anc[r, i, j]: node j of row r is an ancestor of node i, or i itself (every i)
+    depth: Tensor  # (R, M) depth of the node at each index of each row (0: roots and free indexes)
     h: Tensor  # (R * g, M, dim) exit states by row and index
     count: Tensor  # (R,) nodes per row
+    count_host: list[int] | None  # the same on the host, where passes are cut to it (None: static shapes)
+    row_host: list[int]  # `row` on the host (read with the children)
     children: dict[tuple[int, int], int]  # (parent node, token) -> node
 
 
@@ -144,6 +154,7 @@ def spec_beam_search_loop(
     states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device, semantics, stop_together=False)
               for _ in range(batch)]
     live = _Live(list(range(batch)), states, torch.zeros(batch, dtype=torch.long, device=device), [0] * batch,
+                 list(range(batch * k)), torch.arange(batch * k, device=device),
                  dec.start(enc.rows), enc)
     done: dict[int, BeamState] = {}
     stats.committed_hist = [0] * (gamma + 2)
@@ -180,82 +191,108 @@ def spec_beam_search_loop(
 def draft(
     dec: Decoder, live: _Live, cache: KVCache, levels: int, width: int, cond_scale: float, temperature: float = 1.0
 ) -> _Tree:
-    """Beam search with the exit head for `levels` levels of width W per item; every node is kept."""
+    """Beam search with the exit head for `levels` levels of width W per item; every node is kept.
+
+    Each level's nodes are laid out per row, (R, c) with padding where a row got fewer: c is the most any
+    row got (the row counts read back once per level), or on a backend of static shapes the draft width
+    (nothing read back). A node's index in its row is the row's node count before the level plus its rank
+    among the level's nodes of that row, so the layout is the same slot range t + first.. for real and
+    padding positions alike."""
     guided = cond_scale > 1
     g = 2 if guided else 1
     a_n, k = len(live.states), live.states[0].beam_size
     r_n, device, vocab, eos = a_n * k, live.pos.device, dec.vocab_size, dec.eos_id
-    m_max = 1 + levels * width
-    t = live.pos.repeat_interleave(k)  # (R,) slot of each root
-    n_max = r_n + levels * a_n * width
-    row = torch.zeros(n_max, dtype=torch.long, device=device)
-    index = torch.zeros(n_max, dtype=torch.long, device=device)
-    depth = torch.zeros(n_max, dtype=torch.long, device=device)
-    parent = torch.full((n_max,), -1, dtype=torch.long, device=device)
-    tokens = torch.zeros(n_max, dtype=torch.long, device=device)
-    row[:r_n] = torch.arange(r_n, device=device)
-    anc = torch.zeros(r_n, m_max, m_max, dtype=torch.bool, device=device)
-    anc[:, 0, 0] = True
-    count = torch.ones(r_n, dtype=torch.long, device=device)
-    hs = live.x.new_zeros(r_n * g, m_max, live.x.shape[-1])
-    score = torch.cat([s.scores for s in live.states]).flatten()  # (R,) target scores of the roots
-    level = torch.arange(r_n, device=device)  # nodes of the current level, item-major
-    x, n_nodes, trunk = live.x, r_n, range(dec.exit_layer)
+    m_max, dim = 1 + levels * width, live.x.shape[-1]
     static = dec.backend.static_shapes
+    t = live.pos.repeat_interleave(k)  # (R,) slot of each root
+    t_host = [n for n in live.lengths for _ in range(k)]
+    same_t = _same(live.lengths)
+    anc = torch.eye(m_max, dtype=torch.bool, device=device).repeat(r_n, 1, 1)
+    depth = torch.zeros(r_n, m_max, dtype=torch.long, device=device)
+    hs = live.x.new_zeros(r_n * g, m_max, dim)
+    score = torch.cat([s.scores for s in live.states]).flatten()  # (R,) target scores of the live beams
+    if live.rows != list(range(r_n)):  # by root row
+        score = torch.empty_like(score).index_copy_(0, live.rows_t, score)
+    roots = torch.arange(r_n, device=device)
+    zeros = torch.zeros_like(roots)
+    # the current level's nodes (item-major): rows, indexes in their rows, ranks among the row's new nodes
+    lrow, lidx, col = roots, zeros, zeros
+    count = torch.ones_like(roots)  # nodes per row, this level's included
+    first, per_row = zeros, count  # per row: index of the level's first node, the level's node count
+    first_host, count_host = [0] * r_n, [1] * r_n
+    nodes = [(roots, zeros, torch.full_like(roots, -1), zeros, roots.new_zeros(r_n, levels))]  # per level
+    n_nodes, x, trunk = 0, live.x, range(dec.exit_layer)
     for d in range(levels + 1):
-        # lay this level's nodes out per row: (R, c) with padding where a row got fewer (static shapes:
-        # c is the most a row can get, the draft width, instead of the count read back from the device)
-        lrow, lidx = row[level], index[level]
-        per_row = _per_row(lrow, r_n)
-        if d == 0:  # the roots: one per row
+        if d == 0:  # the roots, one per row at slot t (with equal t, causal by slot is the tree mask)
             c = 1
+            if same_t is not None and not static:
+                h = dec.run(x, same_t, trunk, live.enc, cache)
+            else:
+                h = dec.run(x, dec.per_row(t, guided), trunk, live.enc, cache,
+                            **_tree_pass(dec, anc, zeros[:, None], t, same_t, count, guided, cache, 0, static,
+                                         None if static else max(t_host) + 1))
         else:
-            c = width if static else int(per_row.max())
-        first = count - per_row  # index of the row's first new node
-        col = lidx - first[lrow]  # 0.. within the row's level
-        slot_of = torch.full((r_n, c), -1, dtype=torch.long, device=device)
-        slot_of[lrow, col] = lidx
-        real = slot_of >= 0
-        idx = torch.where(real, slot_of, first[:, None] + torch.arange(c, device=device))
-        if d > 0:
-            xs = x.new_zeros(r_n * g, c, x.shape[-1])
-            xs.view(r_n, g, c, -1)[lrow, :, col] = x.view(-1, g, x.shape[-1])
-            x = xs
-        h = dec.run(x, dec.per_row(t + first, guided), trunk, live.enc, cache,
-                    attn_mask=_tree_mask(anc, idx, real, t, cache.capacity if static else int((t + first).max()) + c,
-                                         guided),
-                    positions=dec.per_row((t + d)[:, None].expand(-1, c), guided), real=dec.per_row(real, guided))
-        hv = h.view(r_n, g, c, -1)
-        hs.view(r_n, g, m_max, -1)[lrow, :, lidx] = hv[lrow, :, col]
+            c = width if static else max(per_row_host)
+            span = torch.arange(c, device=device)
+            xs = x.new_zeros(r_n * g, c, dim)
+            xs.view(r_n, g, c, -1)[lrow, :, col] = x.view(-1, g, dim)
+            keys = None if static else max(a + f for a, f in zip(t_host, first_host)) + c
+            h = dec.run(xs, dec.per_row(t + first, guided), trunk, live.enc, cache,
+                        **_tree_pass(dec, anc, first[:, None] + span, t, same_t, per_row, guided, cache, d, static,
+                                     keys))
+        h_new = h.view(r_n, g, c, -1)[lrow, :, col]  # (n, g, dim) the level's real nodes
+        hs.view(r_n, g, m_max, -1)[lrow, :, lidx] = h_new
         if d == levels:
             break
         # expand: candidates of every node of this level, top W per item by draft score
-        lp = step_logprobs(dec.draft_logits(hv[lrow, :, col].flatten(0, 1)), cond_scale, temperature)
+        lp = step_logprobs(dec.draft_logits(h_new.flatten(0, 1)), cond_scale, temperature)
         if eos is not None and live.states[0].semantics == "standard":
             lp[:, eos] = -math.inf  # EOS ends a hypothesis: it is never a node to expand
-        per = level.numel() // a_n
+        per = lrow.numel() // a_n
         cand = (score.to(lp.dtype)[:, None] + lp).view(a_n, per * vocab)
         top, flat = cand.topk(min(width, per * vocab), dim=1)
-        par = level.view(a_n, per).gather(1, flat // vocab).flatten()
-        new = torch.arange(n_nodes, n_nodes + par.numel(), device=device)
-        prow = row[par]
-        # index within the row: after the row's existing nodes, in creation order
-        order = torch.argsort(prow * new.numel() + torch.arange(new.numel(), device=device))
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(new.numel(), device=device)
-        per_row = _per_row(prow, r_n)
-        before = torch.cumsum(per_row, 0) - per_row
-        nidx = count[prow] + rank - before[prow]
-        row[new], index[new], depth[new], parent[new], tokens[new] = prow, nidx, d + 1, par, (flat % vocab).flatten()
-        anc[prow, nidx] = anc[prow, index[par]]
+        # the parent's place in this level (item-major), its row and index; the child's rank among the new
+        # nodes of its row (creation order) and so its index in the row
+        loc = (torch.arange(a_n, device=device)[:, None] * per + torch.div(flat, vocab, rounding_mode="floor")).flatten()
+        prow, pidx = lrow[loc], lidx[loc]
+        n = prow.numel()
+        col = ((prow[:, None] == prow[None, :]) & _earlier(n, device)).sum(dim=1)
+        per_row = torch.zeros_like(count).index_add_(0, prow, torch.ones_like(prow))
+        first, count = count, count + per_row
+        nidx = first[prow] + col
+        anc[prow, nidx] = anc[prow, pidx]
         anc[prow, nidx, nidx] = True
-        count += per_row
-        n_nodes += new.numel()
-        level, score = new, top.flatten()
-        x = dec.embed(tokens[new][:, None], guided)
-    parent_l, token_l = torch.stack((parent[r_n:n_nodes], tokens[r_n:n_nodes])).tolist()  # one read-back
+        depth[prow, nidx] = d + 1
+        path = nodes[-1][4][loc].clone()
+        path[:, d] = nidx
+        tokens = (flat % vocab).flatten()
+        nodes.append((prow, nidx, loc + n_nodes, tokens, path))
+        n_nodes += lrow.numel()
+        lrow, lidx, score = prow, nidx, top.flatten()
+        x = dec.embed(tokens[:, None], guided)
+        if not static:  # one read per level: how many nodes each row got (the next pass's size)
+            per_row_host = per_row.tolist()
+            first_host, count_host = count_host, [a + b for a, b in zip(count_host, per_row_host)]
+    row, index, parent, token, path = (torch.cat(f) for f in zip(*nodes))
+    row_l, parent_l, token_l = torch.stack((row[r_n:], parent[r_n:], token[r_n:])).tolist()  # one read-back
     children = {(p, tk): n + r_n for n, (p, tk) in enumerate(zip(parent_l, token_l))}
-    return _Tree(row[:n_nodes], index[:n_nodes], depth[:n_nodes], parent[:n_nodes], anc, hs, count, children)
+    return _Tree(row, index, path, anc, depth, hs, count, None if static else count_host, list(range(r_n)) + row_l,
+                 children)
+
+
+def _tree_pass(
+    dec: Decoder, anc: Tensor, idx: Tensor, t: Tensor, same_t: int | None, per_row: Tensor,
+    guided: bool, cache: KVCache, depth: Tensor | int, static: bool, keys: int | None,
+) -> dict:
+    """`Decoder.run`'s mask, positions and real flags for tree queries at indexes idx (R, c) of their rows
+    (`depth`: their depth, or each index's); `keys`: how many cache slots the pass reads (None: the
+    capacity, static shapes)."""
+    c = idx.shape[1]
+    real = torch.arange(c, device=idx.device) < per_row[:, None]
+    pos = t[:, None] + (depth if isinstance(depth, Tensor) else torch.full_like(idx, depth))
+    mask = _tree_mask(anc, idx, t, same_t, cache.capacity if keys is None else keys, guided,
+                      None if static else dec.dtype)
+    return dict(attn_mask=mask, positions=dec.per_row(pos, guided), real=dec.per_row(real, guided))
 
 
 def verify(
@@ -264,18 +301,16 @@ def verify(
     """One target pass (layers E+1..L) over every node of every root row; log-probs per node (N, V)."""
     guided = cond_scale > 1
     k = live.states[0].beam_size
-    r_n = tree.count.numel()
     t = live.pos.repeat_interleave(k)
-    static = dec.backend.static_shapes  # the whole tree's size instead of the largest row's, read back
-    m = tree.anc.shape[1] if static else int(tree.count.max())
-    idx = torch.arange(m, device=t.device).expand(r_n, m)
-    real = idx < tree.count[:, None]
-    depth = torch.zeros(r_n, m, dtype=torch.long, device=t.device)
-    depth[tree.row, tree.index] = tree.depth
+    static = dec.backend.static_shapes  # the whole tree's size instead of the largest row's
+    m = tree.anc.shape[1] if static else max(tree.count_host)
+    same_t = _same(live.lengths)
+    idx = torch.arange(m, device=t.device).expand(t.numel(), m)
     upper = range(dec.exit_layer, dec.depth)
-    h = dec.run(tree.h[:, :m], dec.start_of(t, guided), upper, live.enc, cache,
-                attn_mask=_tree_mask(tree.anc, idx, real, t, cache.capacity if static else int(t.max()) + m, guided),
-                positions=dec.per_row(t[:, None] + depth, guided), real=dec.per_row(real, guided))
+    start = same_t if same_t is not None and not static else dec.per_row(t, guided)
+    h = dec.run(tree.h[:, :m], start, upper, live.enc, cache,
+                **_tree_pass(dec, tree.anc, idx, t, same_t, tree.count, guided, cache, tree.depth[:, :m], static,
+                             None if static else max(live.lengths) + m))
     lp = step_logprobs(dec.target_logits(h), cond_scale, temperature)  # (R, m, V)
     return lp[tree.row, tree.index]
 
@@ -287,7 +322,7 @@ def replay(
     advances = []
     for a, state in enumerate(live.states):
         k = state.beam_size
-        nodes = list(range(a * k, (a + 1) * k))  # the roots: this item's live beams
+        nodes = live.rows[a * k : (a + 1) * k]  # the roots (node id = row): this item's live beams
         steps = 0
         if together is not None and state.length >= together.stop:  # T became known after it passed T
             advances.append(_Advance(0, None, None))
@@ -317,59 +352,83 @@ def replay(
 def commit(
     dec: Decoder, live: _Live, tree: _Tree, advances: list[_Advance], cache: KVCache, guided: bool
 ) -> _Live:
-    """New beam j takes its root's row, then its accepted path's K/V move to slots t+1.., t+steps-1."""
+    """New beam j takes a row of its item: its root's row if it is the first new beam from that root, else a
+    row no new beam descends from (the root's K/V copied there: one reorder per cycle, of those rows only);
+    then its accepted path's K/V move to slots t+1.., t+steps-1."""
     kept = [a for a, adv in enumerate(advances) if adv.parents is not None]
     device, k = live.pos.device, live.states[0].beam_size
     if not kept:
-        return _Live([], [], live.pos[:0], [], live.x[:0], live.enc)
+        return _Live([], [], live.pos[:0], [], [], live.rows_t[:0], live.x[:0], live.enc)
     steps_l = [advances[a].steps for a in kept]
-    # one copy to the device (each copy of host data waits for a GPU): kept items, their steps, the nodes
-    sent = torch.tensor(kept + steps_l + [p for a in kept for p in advances[a].parents], device=device)
-    kept_t, steps, node = sent[: len(kept)], sent[len(kept) : 2 * len(kept)], sent[2 * len(kept) :]
+    nodes = [p for a in kept for p in advances[a].parents]
+    source, rows = [], []  # per new row (kept items' blocks in order): the old row it copies; per new beam: its row
+    for i, a in enumerate(kept):
+        roots = [tree.row_host[p] for p in advances[a].parents]
+        firsts = {r: j for j, r in reversed(list(enumerate(roots)))}  # root -> its first new beam
+        free = iter(r for r in range(a * k, (a + 1) * k) if r not in firsts)
+        own = [r if firsts[r] == j else next(free) for j, r in enumerate(roots)]
+        block = [0] * k
+        for r, new in zip(roots, own):
+            block[new - a * k] = r
+        source += block
+        rows += [i * k + new - a * k for new in own]
+    # one copy to the device (each copy of host data waits for a GPU): kept items, their steps, the beams'
+    # nodes and rows, the rows' sources
+    sent = torch.tensor(kept + steps_l + nodes + rows + source, device=device)
+    kept_t, steps, node, rows_t, source_t = sent.split([len(kept), len(kept), len(nodes), len(rows), len(source)])
     pos = live.pos[kept_t] + steps
-    cache.reorder(dec.rows(tree.row[node], guided))
+    if source != list(range(len(live.rows))):
+        cache.reorder(dec.rows(source_t, guided))
     # the accepted path of each new beam: ancestors of its parent node at depths 1..steps-1
     s_max = max(steps_l) - 1
     if s_max > 0:
-        path = torch.zeros(node.numel(), s_max, dtype=torch.long, device=device)
-        cur = node.clone()
-        for _ in range(s_max):  # walk up: depth d node goes to column d - 1
-            d = tree.depth[cur]
-            has = d > 0
-            path[has, (d - 1)[has]] = tree.index[cur][has]
-            cur = torch.where(has, tree.parent[cur], cur)
+        path = tree.path[node, :s_max]  # columns past a node's depth: 0 (only a dead beam's node is shallower)
         t = live.pos[kept_t].repeat_interleave(k)
         span = torch.arange(1, s_max + 1, device=device)
         valid = span <= (steps.repeat_interleave(k) - 1)[:, None]
         dst = t[:, None] + span
         src = torch.where(valid, t[:, None] + path, dst)  # invalid columns copy a slot onto itself
-        rows = torch.arange(node.numel(), device=device)
-        cache.move_slots(dec.rows(rows, guided), dec.per_row(src, guided), dec.per_row(dst, guided))
+        cache.move_slots(dec.rows(rows_t, guided), dec.per_row(src, guided), dec.per_row(dst, guided))
     cache.crop(dec.per_row(pos.repeat_interleave(k), guided))
     tokens = torch.cat([advances[a].tokens for a in kept])
+    tokens = torch.empty_like(tokens).index_copy_(0, rows_t, tokens)  # by row
     # the source side only changes when an item finished (every beam of an item shares it)
     enc = live.enc if len(kept) == len(advances) else live.enc.select(dec.rows(item_rows(kept_t, k), guided))
     lengths = [live.lengths[a] + n for a, n in zip(kept, steps_l)]
-    return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, lengths,
+    return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, lengths, rows, rows_t,
                  dec.embed(tokens[:, None], guided), enc)
 
 
-def _per_row(rows: Tensor, r_n: int) -> Tensor:
-    """How many of `rows` name each row 0..r_n-1 (torch.bincount reads the largest back from a GPU)."""
-    return torch.zeros(r_n, dtype=torch.long, device=rows.device).index_add_(0, rows, torch.ones_like(rows))
+def _same(lengths: list[int]) -> int | None:
+    """The common length of the active items, or None when they differ."""
+    return lengths[0] if all(n == lengths[0] for n in lengths) else None
 
 
-def _tree_mask(anc: Tensor, idx: Tensor, real: Tensor, t: Tensor, keys: int, guided: bool) -> Tensor:
-    """(R*g, 1, c, keys) bool over cache slots 0..keys-1: a query node sees slots < t (the committed
-    prefix) and the slots of its own ancestors; a padding query sees only its own slot (its output is
-    never read)."""
+@functools.lru_cache(maxsize=16)
+def _earlier(n: int, device: torch.device) -> Tensor:
+    """(n, n) bool: [i, j] is j < i (the ranks of equal entries in creation order, as one comparison)."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_(-1)
+
+
+def _tree_mask(
+    anc: Tensor, idx: Tensor, t: Tensor, same_t: int | None, keys: int, guided: bool, dtype: torch.dtype | None
+) -> Tensor:
+    """(R*g, 1, c, keys) over cache slots 0..keys-1 for the queries at indexes idx (R, c) of their rows: a
+    query sees slots < t (the committed prefix) and the slots of its ancestors and itself (a padding query:
+    the prefix and itself; its output is never read). Bool, or additive in `dtype` (the mask is never all
+    True: no read-back to test it)."""
     r_n, m = anc.shape[0], anc.shape[1]
-    keys = torch.arange(keys, device=t.device)
-    rel = keys[None, :] - t[:, None]  # (R, keys) tree index of each key slot
-    in_tree = (rel >= 0) & (rel < m)
-    own = anc[torch.arange(r_n, device=t.device)[:, None], idx.clamp(max=m - 1)]  # (R, c, M)
-    tree = own.gather(2, rel.clamp(0, m - 1)[:, None, :].expand(-1, idx.shape[1], -1)) & in_tree[:, None, :]
-    mask = (rel < 0)[:, None, :] | tree
-    mask = torch.where(real[..., None], mask, rel[:, None, :] == idx[..., None])
+    c = idx.shape[1]
+    own = anc[torch.arange(r_n, device=t.device)[:, None], idx]  # (R, c, M)
+    if same_t is not None:  # every row's tree starts at slot t: prefix, then the ancestors by index
+        parts = [own.new_ones(1, 1, 1).expand(r_n, c, same_t), own[..., : keys - same_t]]
+        if keys - same_t > m:
+            parts.append(own.new_zeros(1, 1, 1).expand(r_n, c, keys - same_t - m))
+        mask = torch.cat(parts, dim=-1)
+    else:
+        rel = torch.arange(keys, device=t.device) - t[:, None]  # (R, keys) tree index of each key slot
+        tree = own.gather(2, rel.clamp(0, m - 1)[:, None, :].expand(-1, c, -1)) & (rel < m)[:, None, :]
+        mask = (rel < 0)[:, None, :] | tree
+    if dtype is not None:
+        mask = additive(mask, dtype, test_all=False)
     return Decoder.per_row(mask, guided)[:, None]
-

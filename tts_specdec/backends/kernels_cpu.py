@@ -13,7 +13,8 @@ from torch import Tensor
 
 from .. import kernels
 from ..kernels import Packed
-from .torch_eager import TorchEager, additive
+from ..masks import additive
+from .torch_eager import TorchEager
 
 if TYPE_CHECKING:
     from ..cache import KVCache

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..finite import marked
+from ..masks import additive
 from ..sampling import cfg_mix, draw, probabilities
 from ..weights import _normed_mm, _residual, _unit, rotate
 from .base import Backend
@@ -26,14 +27,6 @@ if TYPE_CHECKING:
 # tree's verify pass at dim 256 and loses at dim 128). Threshold on padding tokens x one layer's weight
 # elements.
 _PACK_MIN_WORK = 1 << 22
-
-
-def additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """Boolean attention mask (True = attend) -> additive float mask, built once instead of inside
-    every layer's attention call; None when nothing is masked."""
-    if mask is None or bool(mask.all()):
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 class TorchEager(Backend):
