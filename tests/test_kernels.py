@@ -180,6 +180,20 @@ def test_instruction_sets_give_the_same_bits(isa_restored):
         assert all(torch.equal(a, b) for a, b in zip(out["avx2"], out["avx512"])), rows
 
 
+def test_auto_isa_gives_the_same_bits_at_every_row_count(isa_restored):
+    """"auto" switches tiles (AVX-512 up to 6 rows, AVX2 above) with the row count: a row's product
+    must not change with it."""
+    if len(_isas()) < 2:
+        pytest.skip("this CPU has no AVX-512")
+    kernels.isa("auto")
+    g = torch.Generator().manual_seed(5)
+    p = Packed(torch.randn(160, 144, generator=g))
+    x = torch.randn(20, 160, generator=g)
+    alone = torch.cat([p(x[i : i + 1]) for i in range(20)])
+    for rows in (2, 6, 7, 20):
+        assert torch.equal(p(x[:rows]), alone[:rows]), rows
+
+
 def test_isa_rejects_unknown_names(isa_restored):
     with pytest.raises(RuntimeError, match="isa"):
         kernels.isa("sse2")

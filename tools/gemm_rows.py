@@ -27,7 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=9)
-    p.add_argument("--isa", choices=["avx2", "avx512"], help="instruction set (default: the best this CPU has)")
+    p.add_argument("--isa", choices=["auto", "avx2", "avx512"], help="tiles to run (default: auto where the CPU has AVX-512)")
     p.add_argument("--json", type=Path, help="also write the medians here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

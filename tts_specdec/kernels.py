@@ -67,7 +67,9 @@ def _build_directory(flags: list[str]) -> Path:
 
         root = os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
     h = hashlib.sha1()
-    for part in [torch.__version__, *flags]:
+    # the sources' folder too: torch's build files name the sources by path, so two checkouts with the
+    # same sources sharing one folder would rebuild it for each other on every first use
+    for part in [torch.__version__, str(_SOURCES[0].parent.resolve()), *flags]:
         h.update(part.encode())
     for src in [*_SOURCES, *_HEADERS]:
         h.update(src.read_bytes())
@@ -132,11 +134,14 @@ def _load():
                 # -ffp-contract=off: only the FMAs the code writes. GCC otherwise fuses some of the
                 # epilogues' mul + add pairs, depending on inlining, so a row's product could differ in
                 # the last bit with the number of rows beside it (test_row_result_independent_of_batch)
-                flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DTTS_SPECDEC_HEADER={digest}"]
+                # -fopenmp: at::parallel_for is inline OpenMP in torch's headers, so without it every
+                # kernel ran on one thread whatever torch.get_num_threads() said; linked as libgomp.so.1,
+                # which resolves to the OpenMP runtime torch already loaded (one thread pool, torch's)
+                flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", f"-DTTS_SPECDEC_HEADER={digest}"]
                 build_dir = _build_dir = _build_directory(flags)
                 with _build_lock(build_dir):
                     _module = load(
-                        "tts_specdec_small_gemm", [str(p) for p in _SOURCES], extra_cflags=flags,
+                        "tts_specdec_small_gemm", [str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                         build_directory=str(build_dir), verbose=False,
                     )
         finally:
@@ -320,9 +325,10 @@ def speculative_accept(
 
 
 def isa(name: str = "") -> str:
-    """The instruction set the products run on ("avx512" where the CPU has it, else "avx2"; the
-    environment variable TTS_SPECDEC_ISA=avx2 starts with AVX2). `name` switches it for this process;
-    both sum in the same order and give the same bits."""
+    """The tiles the products run on: "auto" where the CPU has AVX-512 (its tiles for calls of up to 6
+    rows, AVX2's above: the faster of each on the AMD EPYC we measured, `csrc/small_gemm.cpp`), else
+    "avx2"; TTS_SPECDEC_ISA=avx2 or =avx512 starts with those for every call. `name` switches it for this
+    process. All sum in the same order and give the same bits."""
     if _load() is None:
         raise RuntimeError(f"the CPU kernels do not run here: {unavailable_reason()}")
     return _module.set_isa(name)

@@ -102,28 +102,42 @@ bool cpu_has_avx512() {
   return __builtin_cpu_supports("avx512f");
 }
 
-// The instruction set of the products: AVX-512 where the CPU has it unless TTS_SPECDEC_ISA=avx2.
-// Both sum every element in the same order, so they give the same bits (a test compares them).
-GroupFn initial_isa() {
+// Which tiles run. "auto": AVX-512's for calls of up to kFewRows rows (memory-bound: measured 8-9%
+// faster on one row on an AMD EPYC Zen 4, tools/gemm_rows.py), AVX2's for more rows (there Zen 4's
+// 512-bit FMAs, two 256-bit halves, gave ~125 GFLOPS on 2 cores against ~165 for AVX2's 6 x 1 tiles);
+// "avx512" or "avx2" for every call. All sum every element in the same order, so they give the same
+// bits (a test compares them) and the choice per call changes no result.
+enum class Isa { kAuto, kAvx512, kAvx2 };
+
+Isa initial_isa() {
   const char* env = std::getenv("TTS_SPECDEC_ISA");
-  const bool want512 = !(env && std::string(env) == "avx2");
-  return want512 && cpu_has_avx512() ? &avx512::run_group : &avx2::run_group;
+  if (env && std::string(env) == "avx2") return Isa::kAvx2;
+  if (!cpu_has_avx512()) return Isa::kAvx2;
+  return env && std::string(env) == "avx512" ? Isa::kAvx512 : Isa::kAuto;
 }
 
-GroupFn group_fn = initial_isa();
+Isa isa = initial_isa();
+
+GroupFn group_fn(int64_t rows) {
+  switch (isa) {
+    case Isa::kAvx512: return &avx512::run_group;
+    case Isa::kAuto: return rows <= avx512::kFewRows ? &avx512::run_group : &avx2::run_group;
+    default: return &avx2::run_group;
+  }
+}
 
 }  // namespace
 
 std::string set_isa(const std::string& name) {
-  if (name == "avx512") {
+  if (name == "avx512" || name == "auto") {
     TORCH_CHECK(cpu_has_avx512(), "isa: this CPU has no AVX-512");
-    group_fn = &avx512::run_group;
+    isa = name == "auto" ? Isa::kAuto : Isa::kAvx512;
   } else if (name == "avx2") {
-    group_fn = &avx2::run_group;
+    isa = Isa::kAvx2;
   } else {
-    TORCH_CHECK(name.empty(), "isa: 'avx2', 'avx512' or '' (which one runs), not '", name, "'");
+    TORCH_CHECK(name.empty(), "isa: 'auto', 'avx2', 'avx512' or '' (which one runs), not '", name, "'");
   }
-  return group_fn == &avx512::run_group ? "avx512" : "avx2";
+  return isa == Isa::kAuto ? "auto" : isa == Isa::kAvx512 ? "avx512" : "avx2";
 }
 
 void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels,
@@ -139,7 +153,7 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
     for (int64_t k = 0; k < in; ++k) ss += double(xm[k]) * xm[k];
     inv_norm[m] = float(1.0 / std::max(std::sqrt(ss), 1e-12));
   }
-  const GroupFn run_group = group_fn;
+  const GroupFn run_group = group_fn(rows);
   const int64_t groups = (n_panels + kGroup - 1) / kGroup;
   const int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, rows * in * kPanel * kGroup));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
