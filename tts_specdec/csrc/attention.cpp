@@ -21,7 +21,7 @@
 namespace tts {
 namespace {
 
-constexpr int64_t kMinTaskFlops = 1 << 16;  // below this a thread hand-off costs more than it saves
+constexpr int64_t kMinTaskFlops = 1 << 19;  // below this a thread hand-off (OpenMP fork/join) costs more than it saves
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

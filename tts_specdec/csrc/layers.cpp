@@ -440,7 +440,9 @@ void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
   if (moved.empty() || high == 0) return;
   float* base = t.data_ptr<float>();
   const int64_t span = high * d, row_stride = heads * cap * d;
-  at::parallel_for(0, layers, 1, [&](int64_t l0, int64_t l1) {
+  // a thread per layer only when a layer's copies are large (a fork/join costs some microseconds)
+  const int64_t layer_bytes = int64_t(moved.size()) * heads * span * int64_t(sizeof(float));
+  at::parallel_for(0, layers, layer_bytes >= (1 << 18) ? 1 : layers, [&](int64_t l0, int64_t l1) {
     std::vector<float> tmp(moved.size() * heads * span);
     for (int64_t l = l0; l < l1; ++l) {
       float* layer = base + l * rows * row_stride;

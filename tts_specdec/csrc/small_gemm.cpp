@@ -27,7 +27,12 @@ namespace {
 // blocked summation: each block of kBlock terms is summed on its own, then added to the total, so
 // rounding grows with kBlock + in / kBlock rather than with in (no worse than MKL's blocked sums)
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMinTaskMacs = 1 << 17;  // below this a thread hand-off costs more than it saves
+// A thread hand-off (OpenMP fork and join) costs some microseconds: a thread takes a share only when it
+// holds at least kMinTaskWork multiply-adds, a weight read counting as kWeightCost of them (streaming
+// a weight costs about that many FMAs' time), so the products of a small cache-resident model stay on
+// one thread while a large model's single-row products still split its memory stream.
+constexpr int64_t kMinTaskWork = 1 << 21;
+constexpr int64_t kWeightCost = 8;
 
 // the distance at which the slab tiles ask memory into L2 ahead of what they read: 4 slabs of a group
 // (many times a DRAM latency at the rate the tiles read, well inside the 1-2 MB L2 of the CPUs we run on)
@@ -155,7 +160,7 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
   }
   const GroupFn run_group = group_fn(rows);
   const int64_t groups = (n_panels + kGroup - 1) / kGroup;
-  const int64_t grain = std::max<int64_t>(1, kMinTaskMacs / std::max<int64_t>(1, rows * in * kPanel * kGroup));
+  const int64_t grain = std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, (rows + kWeightCost) * in * kPanel * kGroup));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     const char* end = reinterpret_cast<const char*>(panels + std::min(n_panels, g1 * kGroup) * in * kPanel);
     const Job job{x, panels, normalize ? inv_norm : nullptr, bias, res, y, ldx, in, ldy, ldr, rows, n_panels, end, index};
