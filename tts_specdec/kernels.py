@@ -4,7 +4,7 @@ A decode step multiplies 1-40 rows (a step, a verify pass, a speculative beam tr
 matrix, and MKL runs such skinny products far below the memory bandwidth. `csrc/small_gemm.cpp` packs
 each matrix into groups of 16-column panels and streams them once per call over torch's own threads,
 every tile of rows passing over a slab of weights while it is in L1, so a pass over many tokens reads
-each weight once; AVX-512 (larger row tiles) is used where the CPU has it, AVX2 otherwise. On a
+each weight once; AVX-512 tiles serve calls of up to 6 rows where the CPU has it, AVX2's the rest (`isa`). On a
 small model the rest of a layer is dispatch (an attention call, rotary, cache writes and layout copies
 as separate small kernels): `csrc/attention.cpp` does each attention in one call, and
 `csrc/layers.cpp` (`Stack`) runs a range of layers without returning to Python, on weights checked once
@@ -16,7 +16,7 @@ plain sampling; `csrc/accept.cpp` is the speculative accept rule for all rows of
 
 It is built with torch's C++ extension loader on first use (about 40 s with g++ and ninja, cached
 under ~/.cache/torch_extensions/py310_cpu/tts_specdec_<digest> or $TORCH_EXTENSIONS_DIR) and used only for float32 on x86 CPUs with
-AVX2 (AVX-512 is chosen at run time, `isa`). Anything else (no compiler, another device or dtype, `TTS_SPECDEC_KERNELS=0`) falls back to
+AVX2. Anything else (no compiler, another device or dtype, `TTS_SPECDEC_KERNELS=0`) falls back to
 torch's products and attention, which give the same results up to float rounding; `available()`
 says which path runs.
 """

@@ -166,12 +166,8 @@ class Stack {
 
     const int64_t hd = h_ * d_, width = (h_ + 2 * kvh_) * d_;
     // the residual stream, updated in place layer by layer (padding tokens: zero throughout)
-    auto out = index ? torch::zeros({tokens, dim_}, x.options()) : torch::empty({tokens, dim_}, x.options());
-    if (index)
-      for (int64_t i = 0; i < live; ++i)
-        std::copy_n(x.data_ptr<float>() + index[i] * x.stride(0), dim_, out.data_ptr<float>() + index[i] * dim_);
-    else
-      out.copy_(x);
+    auto out = index ? torch::zeros({tokens, dim_}, x.options()).index_copy_(0, *real, x.index_select(0, *real))
+                     : x.clone(at::MemoryFormat::Contiguous);
     // zeroed: a padding token's q, k and v stay zero
     std::vector<float> ws(tokens * (width + 2 * hd + 2 * inner_));
     float* heads = ws.data();  // (tokens, width): q, k, v of every token
@@ -462,7 +458,7 @@ void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "x @ W (+ bias) (+ residual), W packed in 16-column panels, x optionally row-normalised");
-  m.def("set_isa", &tts::set_isa, "the products' instruction set: 'avx512', 'avx2', or '' to ask which runs");
+  m.def("set_isa", &tts::set_isa, "the products' tiles: 'auto', 'avx512', 'avx2', or '' to ask which run");
   m.def("self_attention", &self_attention, "rotary + K/V cache write + attention for a few decoding queries");
   m.def("cross_attention", &cross_attention, "attention of a few decoding queries over source K/V");
   py::class_<Head>(m, "Head")
