@@ -54,6 +54,7 @@ class Mode:
     times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     stats: DecodeStats | None = None
+    warmup_s: float | None = None  # the first call: compilation and CUDA graph capture under --compile
 
     @property
     def tokens_per_s(self) -> float:
@@ -244,7 +245,8 @@ def measure(modes: list[Mode], reps: int) -> None:
     for mode in modes:  # warm-up: first-call allocations and lazy init stay out of the numbers
         start = time.perf_counter()
         mode.run()
-        print(f"  warm-up {mode.name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        mode.warmup_s = time.perf_counter() - start
+        print(f"  warm-up {mode.name}: {mode.warmup_s:.1f} s", file=sys.stderr)
     for rep in range(reps):
         for mode in modes:
             start = time.perf_counter()
@@ -379,7 +381,7 @@ def report(setup: Setup, modes: list[Mode], args: argparse.Namespace) -> dict:
     rows = []
     for m in modes:
         row = {"mode": m.name, "tokens_per_s": m.tokens_per_s, "median_s": statistics.median(m.times),
-               "tokens": statistics.median(m.tokens)}
+               "tokens": statistics.median(m.tokens), "warmup_s": m.warmup_s}
         if m.baseline and m.baseline in by_name:
             row["vs"] = m.baseline
             row["speedup"] = m.tokens_per_s / by_name[m.baseline].tokens_per_s
@@ -533,6 +535,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         measure(modes, args.reps)
         result = report(setup, modes, args)
+        if args.compile:  # graphs compiled and recompilations over the whole run (warm-ups included)
+            from torch._dynamo.utils import counters
+
+            result["torch_compile"] = {k: dict(counters[k]) for k in ("stats", "recompiles", "graph_break")}
         print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -20,7 +20,8 @@ for p in audiolm-pytorch==2.4.0 spear-tts-pytorch==0.4.8 x-clip==0.14.4 beartype
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .gpu/whl "$p"
 done
-"$PY" -m pip wheel -q --no-deps -w .gpu/whl encodec==0.1.1  # published as a source archive only
+# published as a source archive only; PEP 517 builds it in an isolated env (the venv has no `wheel`)
+"$PY" -m pip wheel -q --use-pep517 --no-deps -w .gpu/whl encodec==0.1.1
 echo '"""Import stub: audiolm-pytorch imports fairseq at import time; tts_specdec never calls it."""' \
   > .gpu/stubs/fairseq/__init__.py
 echo '"""Import stub: audiolm-pytorch trainer imports wandb at import time; tts_specdec never calls it."""' \

@@ -298,7 +298,8 @@ def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p:
 def fingerprint(tensors: list[Tensor]) -> list[int] | None:
     """Two 64-bit sums of each tensor's bytes (csrc/fingerprint.cpp: any one changed word changes the
     first, moved words the second), flattened; None without the kernels or unless all are on the CPU."""
-    if not ENABLED or _load() is None:
+    # a GPU model never loads (or builds) the extension for this
+    if not ENABLED or any(t.device.type != "cpu" for t in tensors) or _load() is None:
         return None
     sums = _module.fingerprint(tensors)
     return None if sums is None else sums.view(-1).tolist()
