@@ -13,6 +13,7 @@ ordered differently on each device, so near-ties may break differently) and the 
 rate. Exit status 1 when a speculative mode differs from its plain mode.
 
     python recipes/device_check.py --device cuda --sentences 20
+    python recipes/device_check.py --device cuda --sentences 8 --compile    # the compiled static path
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sentences", type=int, default=20)
     p.add_argument("--batch", type=int, default=4, help="sentences decoded together in the batch checks")
     p.add_argument("--beam-size", type=cli.int_in(1, MAX_BEAM_SIZE), default=4)
+    p.add_argument("--compile", nargs="?", const=True, default=False, metavar="BACKEND",
+                   help="check the compiled static path (SpeculativeDecoder(compile=...); CUDA graphs on a GPU)")
     args = p.parse_args(argv)
     if args.sentences < 1 or args.batch < 1:
         raise ValueError("--sentences and --batch must be >= 1")
 
     model = load_speech_model().model.to(args.device).eval()
-    dec = SpeculativeDecoder(model)
+    dec = SpeculativeDecoder(model, compile=args.compile)
     texts = heldout_sentences(args.sentences)
     sources = [model.tokenizer_encode([t]).to(args.device) for t in texts]
     failures: list[str] = []
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             check(f"sentence {i}: beam gamma={g} W={w}", tokens(spec), tokens(beam))
             if not torch.allclose(torch.tensor(spec.scores), torch.tensor(beam.scores), rtol=1e-4, atol=1e-4):
                 failures.append(f"sentence {i}: beam gamma={g} W={w} scores {spec.scores} vs {beam.scores}")
-    print(f"{args.device}: {len(sources)} sentences, greedy (gamma 1/2/4/8, draft stops) and beam {args.beam_size} "
+    path = "compiled" if args.compile else "default path"
+    print(f"{args.device} ({path}): {len(sources)} sentences, greedy (gamma 1/2/4/8, draft stops) and beam {args.beam_size} "
           f"(gamma 1 W 8, gamma 3 W 12) checked")
 
     for start in range(0, len(texts), args.batch):

@@ -154,6 +154,21 @@ def test_no_graph_breaks_and_graphs_do_not_grow_with_length(models):
         dec.decoder.eos_id = model_eos
 
 
+def test_a_third_source_length_compiles_nothing(models):
+    """Source length is a shape: the first length compiles the graphs, a second compiles them once more with
+    the length dynamic (torch.compile's automatic dynamic shapes; none when torch's on-disk profile of an
+    earlier run already marked it dynamic), and later lengths reuse those graphs."""
+    dec = SpeculativeDecoder(models["plain"], compile=BACKEND)
+    compiled = []
+    for n in (7, 4, 9, 5):
+        counters.clear()
+        ref = SpeculativeDecoder(models["plain"]).sample(make_source(1, n, seed=n), temperature=0.0, max_length=12)
+        out = dec.sample(make_source(1, n, seed=n), temperature=0.0, max_length=12)
+        assert_same_tokens(out.tokens, ref.tokens)
+        compiled.append(counters["stats"]["unique_graphs"])
+    assert compiled[0] > 0 and compiled[2:] == [0, 0], compiled
+
+
 def test_speculative_beam_graphs_do_not_grow_with_length(models):
     """Speculative beam search's tree passes: no graph breaks, and a decode three times as long adds no
     graph (levels of the draft width, the whole tree for verify, capacity buckets)."""

@@ -40,8 +40,42 @@ def test_without_cuda_it_says_so(gpu_check, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")
-    assert gpu_check.main(["--skip-tests"]) == 2
+    assert gpu_check.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_stages_run_in_order_within_the_budget(gpu_check, monkeypatch, tmp_path):
+    """Stages start only while the run is younger than the budget; a failed stage is kept as an error and
+    the others' results stay; the JSON holds what ran (the commands are faked: each takes 100 s)."""
+    import json
+    import torch
+
+    clock = [0.0]
+    calls = []
+
+    def fake_run(cmd, timeout):
+        calls.append((cmd, timeout))
+        clock[0] += 100.0
+        if "--json" in cmd:
+            if "--compile" not in cmd and "--widen" not in cmd:
+                return 1  # the shipped eager benchmark fails
+            Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(report(4.0 if "--compile" in cmd else 1.0)))
+        return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(gpu_check, "run", fake_run)
+    out = tmp_path / "gpu.json"
+    assert gpu_check.main(["--budget", "250", "--out", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert [c[1] for c in calls] == [250, 150, 50]  # each stage stopped at what is left of the budget
+    assert "-m" in calls[2][0] and "cuda" in calls[2][0]  # the third stage: the CUDA tests
+    assert result["skipped"] == ["width1024/compiled", "width1024/eager"]  # exactness: 0 sentences, not a stage
+    assert result["errors"] == {"shipped/eager": "exit status 1"} and result["pytest_cuda_rc"] == 0
+    assert list(result["runs"]) == ["shipped"] and list(result["runs"]["shipped"]) == ["compiled"]
+    assert [line["compiled_tokens_per_s"] for line in result["table"][1:]] == [800.0, 2000.0]
+    assert not list(tmp_path.glob("gpu.*.json"))  # each run's own JSON was folded in
 
 
 def test_benchmark_compile_flag_reaches_the_decoder(monkeypatch):

@@ -1,14 +1,23 @@
-"""`make gpu-check`: the GPU runbook in one command (see docs/gpu.md, "make gpu-check").
+"""`make gpu-check`: the GPU runbook in one command, sized for a short loan of a GPU (docs/gpu.md).
 
-1. the CUDA tests (`pytest -m cuda`: compile=True against the default path on the GPU);
-2. recipes/benchmark.py on the GPU, with and without `--compile`, on the shipped model and on the
-   shipped model widened function-preservingly to width 1024, 16 heads (`--widen 1024 16`);
-3. one JSON, benchmarks/gpu_<device>.json, holding the four runs and the table this prints: each row's
-   tokens/s eager and compiled, compiled / eager, and each speculative row's speedup over its plain
-   baseline on both paths.
+Stages, in priority order, each started only while the run is younger than --budget seconds (a GPU
+session here has minutes of device time; what did not fit is listed under "skipped"):
 
-    python tools/gpu_check.py                 # what `make gpu-check` runs
-    python tools/gpu_check.py --reps 3 --skip-tests --out /tmp/gpu.json
+1. shipped/compiled, shipped/eager: recipes/benchmark.py on the shipped model with and without
+   `--compile`, batch 1 (the compiled path's targets are measured here);
+2. tests: the CUDA tests (`pytest -m cuda`: compile=True against the default path on the GPU), spread
+   over --test-workers processes (pytest-xdist) because each compiles its graphs;
+3. exactness: recipes/device_check.py --compile on --exactness held-out sentences (0: skipped);
+4. width1024/compiled, width1024/eager: the shipped model widened function-preservingly to width 1024,
+   16 heads (`--widen 1024 16`: memory-bound steps).
+
+One JSON, benchmarks/gpu_<device>.json, is rewritten after every stage: each benchmark run, the tests'
+exit status, and the table this prints (each row's tokens/s eager and compiled, compiled / eager, each
+speculative row's speedup over its plain baseline on both paths, the first call's compile time).
+
+    python tools/gpu_check.py                                  # what `make gpu-check` runs
+    python tools/gpu_check.py --stages shipped/compiled --reps 5 --out /tmp/gpu.json
+    python tools/gpu_check.py --budget 900 --exactness 8 --bench --families sample
 """
 
 from __future__ import annotations
@@ -28,6 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # the shipped model at batch 1 (its targets: compiled plain sampling >= 1,000 tokens/s, speculative
 # sampling >= 2x plain, speculative beam search >= 1.5x beam search; docs/gpu.md), then the
 # width-1024 model (memory-bound steps)
+# what every benchmark stage runs unless --bench says otherwise: the rows the targets name, plus greedy
+# decoding (one draft-width setting and no draft-stop rows: each row compiles its own graphs)
+DEFAULT_BENCH = ["--families", "sample", "greedy", "beam", "--draft-confidence", "0", "--beam-gamma", "1",
+                 "--draft-width", "8", "--skip-upstream-beam"]
+STAGES = ["shipped/compiled", "shipped/eager", "tests", "exactness", "width1024/compiled", "width1024/eager"]
 SETUPS = {
     "shipped": ["--model", "default", "--skip-auto"],
     "width1024": ["--model", "default", "--widen", "1024", "16", "--skip-upstream", "--skip-auto"],
@@ -39,14 +53,25 @@ def device_slug() -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def run_tests(timeout: float | None) -> int:
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-o", "addopts=", "-v", "--durations=0", str(ROOT / "tests")]
+def run(cmd: list[str], timeout: float | None) -> int:
+    """`cmd` from the repository root, its output ours; its exit status, 124 when stopped at `timeout`."""
     print("$", " ".join(cmd), flush=True)
     try:
         return subprocess.call(cmd, cwd=ROOT, timeout=timeout)
     except subprocess.TimeoutExpired:
-        print(f"gpu-check: the CUDA tests ran past {timeout:.0f} s and were stopped", flush=True)
+        print(f"gpu-check: stopped after {timeout:.0f} s (the budget)", flush=True)
         return 124
+
+
+def test_command(workers: int) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-o", "addopts=", "-v", "--durations=0", str(ROOT / "tests")]
+    if workers > 1:
+        try:
+            import xdist  # noqa: F401
+        except ImportError:
+            return cmd
+        cmd += ["-n", str(workers)]
+    return cmd
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -54,17 +79,6 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def run_benchmark(argv: list[str], json_path: Path, timeout: float | None) -> str | None:
-    """recipes/benchmark.py in its own process (a hung compile cannot stall the other stages); None or
-    what went wrong."""
-    cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), *argv, "--json", str(json_path)]
-    try:
-        rc = subprocess.call(cmd, cwd=ROOT, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return f"stopped after {timeout:.0f} s (the budget)"
-    return None if rc == 0 else f"exit status {rc}"
 
 
 def table(runs: dict) -> list[dict]:
@@ -101,18 +115,17 @@ def print_table(lines: list[dict], device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--skip-tests", action="store_true")
-    p.add_argument("--tests-last", action="store_true", help="the CUDA tests after the benchmarks")
-    p.add_argument("--test-timeout", type=float, help="stop the CUDA tests after this many seconds")
-    p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
-    p.add_argument("--paths", nargs="+", choices=["compiled", "eager"], default=["eager", "compiled"],
-                   help="benchmark runs per setup, in this order")
-    p.add_argument("--budget", type=float,
-                   help="seconds: a stage (a benchmark run, the tests) starts only while the run is younger")
-    p.add_argument("--bench", nargs=argparse.REMAINDER, default=[],
-                   help="the rest is passed to every recipes/benchmark.py run (e.g. --families sample beam)")
+    p.add_argument("--stages", nargs="+", choices=STAGES, default=STAGES, help="run these, in this order")
+    p.add_argument("--budget", type=float, default=480,
+                   help="seconds: a stage starts only while the run is younger, and is stopped when it runs past "
+                        "(0: no limit)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--test-workers", type=int, default=4, help="pytest-xdist processes for the CUDA tests")
+    p.add_argument("--exactness", type=int, default=0, metavar="N",
+                   help="held-out sentences for recipes/device_check.py --compile (0: skip that stage)")
     p.add_argument("--out", type=Path, help="default: benchmarks/gpu_<device>.json")
+    p.add_argument("--bench", nargs=argparse.REMAINDER, default=DEFAULT_BENCH,
+                   help="the rest goes to every recipes/benchmark.py run instead of: " + " ".join(DEFAULT_BENCH))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -120,59 +133,53 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     device = torch.cuda.get_device_name(0)
     out = args.out or ROOT / "benchmarks" / f"gpu_{device_slug()}.json"
-    result: dict = {"device": device, "torch": torch.__version__, "commit": commit(), "pytest_cuda_rc": None,
-                    "bench_args": args.bench, "reps": args.reps, "table": [], "runs": {}, "skipped": [], "errors": {}}
-
-    def in_budget(stage: str) -> bool:
-        if args.budget is None or time.perf_counter() - t0 < args.budget:
-            return True
-        result["skipped"].append(stage)
-        print(f"gpu-check: out of budget, skipping {stage}", flush=True)
-        return False
+    result: dict = {"device": device, "torch": torch.__version__, "commit": commit(), "stages": args.stages,
+                    "bench_args": args.bench, "reps": args.reps, "pytest_cuda_rc": None, "exactness_rc": None,
+                    "table": [], "runs": {}, "skipped": [], "errors": {}}
 
     def left() -> float | None:
-        return None if args.budget is None else max(1.0, args.budget - (time.perf_counter() - t0))
+        return None if not args.budget else args.budget - (time.perf_counter() - t0)
 
     def save() -> None:
         result["table"] = table(result["runs"])
         result["seconds"] = time.perf_counter() - t0
         write_atomic(out, json.dumps(result, indent=2))
 
-    def tests() -> None:
-        if not args.skip_tests and in_budget("tests"):
-            limits = [x for x in (args.test_timeout, left()) if x is not None]
-            timeout = min(limits) if limits else None
-            start = time.perf_counter()
-            result["pytest_cuda_rc"] = run_tests(timeout)
+    for stage in args.stages:
+        if stage == "exactness" and not args.exactness:
+            continue
+        if left() is not None and left() <= 0:
+            result["skipped"].append(stage)
+            print(f"gpu-check: out of budget, skipping {stage}", flush=True)
+            continue
+        start = time.perf_counter()
+        if stage == "tests":
+            result["pytest_cuda_rc"] = run(test_command(args.test_workers), left())
             result["pytest_seconds"] = time.perf_counter() - start
-            save()
-
-    if not args.tests_last:
-        tests()
-    for setup in args.setups:
-        for path in args.paths:
-            stage = f"{setup}/{path}"
-            if not in_budget(stage):
-                continue
-            argv_b = [*SETUPS[setup], "--device", "cuda", "--reps", str(args.reps), *args.bench,
-                      *(["--compile"] if path == "compiled" else [])]
-            print(f"\n$ recipes/benchmark.py {' '.join(argv_b)}", flush=True)
-            start = time.perf_counter()
-            err = run_benchmark(argv_b, out.with_name(f"{out.stem}.{setup}.{path}.json"), left())
-            if err:  # keep the other stages' results
-                result["errors"][stage] = err
+        elif stage == "exactness":
+            cmd = [sys.executable, str(ROOT / "recipes" / "device_check.py"), "--device", "cuda", "--compile",
+                   "--sentences", str(args.exactness)]
+            result["exactness_rc"] = run(cmd, left())
+            result["exactness_seconds"] = time.perf_counter() - start
+        else:
+            setup, path = stage.split("/")
+            json_path = out.with_name(f"{out.stem}.{setup}.{path}.json")
+            cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), *SETUPS[setup], "--device", "cuda",
+                   "--reps", str(args.reps), *args.bench, *(["--compile"] if path == "compiled" else []),
+                   "--json", str(json_path)]
+            rc = run(cmd, left())
+            if rc:  # keep the other stages' results
+                result["errors"][stage] = f"exit status {rc}"
             else:
-                run = json.loads(out.with_name(f"{out.stem}.{setup}.{path}.json").read_text())
-                out.with_name(f"{out.stem}.{setup}.{path}.json").unlink()
-                run["seconds"] = time.perf_counter() - start
-                result["runs"].setdefault(setup, {})[path] = run
-            save()
-    if args.tests_last:
-        tests()
+                run_result = json.loads(json_path.read_text())
+                json_path.unlink()
+                run_result["seconds"] = time.perf_counter() - start
+                result["runs"].setdefault(setup, {})[path] = run_result
+        save()
     save()
     print_table(result["table"], device)
     print(f"\nwrote {out} ({time.perf_counter() - t0:.0f} s)")
-    return 1 if result["pytest_cuda_rc"] or result["errors"] else 0
+    return 1 if result["pytest_cuda_rc"] or result["exactness_rc"] or result["errors"] else 0
 
 
 def commit() -> str | None:

@@ -100,6 +100,19 @@ def _ff_residual(w: _Layer, x: Tensor) -> Tensor:
     return torch.addmm(x + w.ff_out_b, F.gelu(gate) * h, w.ff_out)
 
 
+def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """Softmax attention of q (rows, h, n, d) over keys and values (rows, h, m, d), the additive mask
+    broadcast to (rows, h, n, m); a query that may see nothing gets zeros, as scaled_dot_product_attention
+    gives. Written out rather than through that op: on a GPU, float32 attention there is the
+    memory-efficient kernel, built for long blocks of queries, and a step of the shipped model spent 72% of
+    its device time in it at 37 us a call for one to a few queries (H200, benchmarks/gpu_nvidia_h200.json);
+    written out it is two small batched products and one fused softmax."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(scores.softmax(dim=-1).nan_to_num(0.0), values)
+
+
 def _layers(
     w: _Weights, layers: range, x: Tensor, pos: Tensor, k_all: Tensor, v_all: Tensor, enc_k: Tensor, enc_v: Tensor,
     enc_mask: Tensor | None, cos_t: Tensor, sin_t: Tensor, heads: int, slots: Tensor | None = None,
@@ -132,10 +145,10 @@ def _layers(
         keys, values = k_layer, v_layer
         if kvh != heads:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
             keys, values = keys.repeat(1, heads // kvh, 1, 1), values.repeat(1, heads // kvh, 1, 1)
-        a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        a = _attend(q, keys, values, mask)
         x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), lw.attn_out)
         q = torch.mm(_unit(x), lw.cross_q).view(rows, n, heads, d).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, enc_k[i], enc_v[i], attn_mask=enc_mask)
+        a = _attend(q, enc_k[i], enc_v[i], enc_mask)
         x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), lw.cross_out)
         x = _ff_residual(lw, x)
     return x.view(rows, n, dim)
