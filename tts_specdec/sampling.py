@@ -1,4 +1,4 @@
-"""Pure tensor functions: logit filtering, CFG mixing, and the speculative accept rule.
+"""Pure tensor functions: logit filtering, CFG mixing, and the speculative accept rules (chains and trees).
 
 Paper names: p = target distribution, q = draft distribution, gamma = drafted tokens per cycle.
 Temperature 0 is greedy and is represented by one-hot distributions, so the same accept rule
@@ -150,3 +150,88 @@ def greedy_accept(target_tokens: Tensor, drafts: Tensor, limit: Tensor | None = 
         match &= torch.arange(gamma, device=drafts.device) < limit[:, None]
     accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
     return Acceptance(accepted, target_tokens.gather(1, accepted[:, None])[:, 0])
+
+
+# ---- token trees: several drafts per position ------------------------------------------------------
+# A tree's nodes are numbered per row, 0 the root (the position whose token is already known), each
+# node after its parent, siblings in the order they were drafted. `parent` (rows, N) holds each node's
+# parent (-1 for the root and for padding nodes), `tokens` (rows, N) its token. p[:, i] is the target
+# distribution after node i (its prefix), q[:, i] the draft distribution node i's children were drawn
+# from.
+
+
+@dataclass
+class TreeAcceptance:
+    node: Tensor  # (rows,) the deepest accepted node (0: the root, no draft kept)
+    next_token: Tensor  # (rows,) the token emitted after it (correction or bonus)
+
+
+def _children(parent: Tensor, node: Tensor) -> Tensor:
+    """(rows, N) bool: the children of each row's `node`."""
+    return parent == node[:, None]
+
+
+def greedy_tree_accept(target_tokens: Tensor, parent: Tensor, tokens: Tensor) -> TreeAcceptance:
+    """Temperature 0 on a tree: from the root, step to the child whose token is the target argmax while
+    there is one, then emit the target argmax. target_tokens: (rows, N) argmax of p after each node.
+    Siblings with equal tokens: the first drafted is taken (their subtrees are not merged)."""
+    rows, n = parent.shape
+    at = torch.arange(rows, device=parent.device)
+    node = torch.zeros(rows, dtype=torch.long, device=parent.device)
+    for _ in range(n - 1):  # a path has at most N - 1 drafts; usually few steps: stop when no row moves
+        match = _children(parent, node) & (tokens == target_tokens[at, node][:, None])
+        moves = match.any(dim=1)
+        if not bool(moves.any()):
+            break
+        node = torch.where(moves, match.long().argmax(dim=1), node)
+    return TreeAcceptance(node, target_tokens[at, node])
+
+
+def tree_accept(
+    p: Tensor, q: Tensor, parent: Tensor, tokens: Tensor, generator: torch.Generator | None = None,
+    replacement: bool = True,
+) -> TreeAcceptance:
+    """Lossless acceptance over a tree of sampled drafts: the emitted tokens are distributed as the
+    target's, whatever q and the tree's shape.
+
+    At the current node (the root first), its children are tried in drafted order: child x is accepted
+    with probability min(1, p(x) / q(x)) and the walk moves to it; after a rejection p becomes
+    norm(max(p - q, 0)) before the next child is tried; when every child is rejected (or there is none)
+    a token is drawn from that p and the walk ends. With `replacement` the children were drawn i.i.d.
+    from q (SpecInfer, Miao et al. 2023, multi-step speculative sampling); without it, drawn from q
+    without replacement, and after each rejection q also drops the rejected token and is renormalised
+    (the rule for that case in Sequoia, Chen et al. 2024). A child whose token is negative
+    (`finite.NONFINITE`) is rejected."""
+    rows, n = parent.shape
+    at = torch.arange(rows, device=p.device)
+    node = torch.zeros(rows, dtype=torch.long, device=p.device)
+    done = torch.zeros(rows, dtype=torch.bool, device=p.device)
+    out = torch.zeros(rows, dtype=torch.long, device=p.device)
+    for _ in range(n):
+        kids = _children(parent, node) & ~done[:, None]
+        pc, qc = p[at, node], q[at, node]
+        moved = torch.zeros(rows, dtype=torch.bool, device=p.device)
+        order = kids.long().cumsum(dim=1) * kids  # 1, 2, ... for the children in drafted order
+        for j in range(1, int(order.max()) + 1 if bool(kids.any()) else 1):
+            is_j = order == j
+            has = is_j.any(dim=1) & ~moved
+            child = is_j.long().argmax(dim=1)
+            x = tokens[at, child]
+            xs = x.clamp_min(0)[:, None]
+            px, qx = pc.gather(1, xs)[:, 0], qc.gather(1, xs)[:, 0]
+            u = torch.rand(rows, generator=generator, device=p.device, dtype=p.dtype)
+            take = has & (u * qx < px) & (x >= 0)  # u < p/q without a division; q(x) > 0: x was drawn from q
+            node = torch.where(take, child, node)
+            moved |= take
+            reject = has & ~take
+            pc = torch.where(reject[:, None], residual(pc, qc), pc)
+            if not replacement:
+                drop = qc.scatter(1, xs, 0.0)
+                drop = drop / drop.sum(dim=1, keepdim=True).clamp_min(torch.finfo(qc.dtype).tiny)
+                qc = torch.where(reject[:, None] & (x >= 0)[:, None], drop, qc)
+        ends = ~done & ~moved
+        out = torch.where(ends, draw(pc, generator), out)
+        done |= ends
+        if bool(done.all()):
+            break
+    return TreeAcceptance(node, out)
