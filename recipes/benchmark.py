@@ -503,6 +503,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", nargs="?", const=True, default=False, metavar="BACKEND",
                    help="our rows on static steps under torch.compile (SpeculativeDecoder(compile=...)): inductor, "
                         "CUDA graphs on a GPU; or the named torch.compile backend. Compilation happens in the warm-up")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="convert the model (model.to(dtype)) before decoding; on the CPU half precision decodes "
+                        "in float32 on its widened weights (docs/design.md)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.reps < 1:
@@ -523,6 +526,9 @@ def main(argv: list[str] | None = None) -> dict:
                  else default_model(args.device, args.checkpoint, args.batch, args.sentences, args.widen))
     except ValueError as e:
         p.error(str(e))
+    if args.dtype != "float32":  # the model as a user converts it; its rows decode it in that dtype
+        setup.model.to(getattr(torch, args.dtype))
+        setup.description += f", model in {args.dtype}"
     modes = [m for m in build_modes(setup, args) if family(m.name) in args.families]
     if args.count_ops:
         rows = count_ops(modes, args.reps)

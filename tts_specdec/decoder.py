@@ -27,7 +27,7 @@ from . import backends, kernels
 from .backends import Backend
 from .kernels import Packed
 from .masks import additive
-from .weights import _FeedForward, _normed_mm, _packed_or, _split, _t, rope_tables
+from .weights import _c, _FeedForward, _normed_mm, _packed_or, _split, _t, compute_dtype, rope_tables
 
 
 @dataclass
@@ -142,7 +142,10 @@ class Decoder:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.start_token[self.target_type].dtype
+        """What decoding computes in (`weights.compute_dtype`: float32 for a half-precision model on the
+        CPU): the cache, the prepared weights, the logits."""
+        start = self.model.start_token[self.target_type]
+        return compute_dtype(start.dtype, start.device)
 
     @property
     def device(self) -> torch.device:
@@ -168,12 +171,12 @@ class Decoder:
             mask = mask.to(source.device, torch.bool)
         if self._encoder is None:
             self._encoder = SourceEncoder(m.source_transformer)
-        states = self._encoder(m.token_emb[self.source_type](source), mask)
+        states = self._encoder(m.token_emb[self.source_type](source).to(self.dtype), mask)
         b, s = source.shape
         if self._cross_kv is None:  # every layer's to_kv in one product; null K/V (layers, 2, heads, 1, d)
             crosses = [cross for _, cross, _ in self.layers]
             self._cross_kv = (_packed_or(_t(torch.cat([c.to_kv[0].weight for c in crosses]))),
-                              torch.stack([torch.stack(tuple(c.null_kv)) for c in crosses]).detach())
+                              _c(torch.stack([torch.stack(tuple(c.null_kv)) for c in crosses])))
         w_kv, null_kv = self._cross_kv
         flat = states.reshape(b * s, -1)
         kv = (w_kv(flat) if isinstance(w_kv, Packed) else flat @ w_kv).view(b, s, self.depth, 2, null_kv.shape[2], -1)
@@ -303,12 +306,12 @@ class Decoder:
 
     def embed(self, tokens: Tensor, guided: bool = False) -> Tensor:
         """Token ids (sequences, n) -> decoder inputs (rows, n, dim)."""
-        x = F.embedding(tokens, self.model.token_emb[self.target_type].weight)
+        x = F.embedding(tokens, self.model.token_emb[self.target_type].weight).to(self.dtype)
         return self.per_row(x, guided)
 
     def start(self, rows: int) -> Tensor:
         """The start token's input, (rows, 1, dim)."""
-        return self.model.start_token[self.target_type].expand(rows, 1, -1)
+        return self.model.start_token[self.target_type].to(self.dtype).expand(rows, 1, -1)
 
     def run(
         self,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kernels import Packed
-from .weights import _FeedForward, _normed_mm, _packed_or, _residual, _t, _unit, rope_tables, rotate
+from .weights import _c, _FeedForward, _normed_mm, _packed_or, _residual, _t, _unit, rope_tables, rotate
 
 
 @dataclass
@@ -41,7 +41,7 @@ class SourceEncoder:
         self.heads, self.kv_heads = first.heads, first.kv_heads
         self.rotary = first.rotary_emb  # one module shared by all layers
         norm = transformer.final_norm
-        self.final_gain = (norm.gamma * norm.scale).detach()
+        self.final_gain = _c(norm.gamma) * norm.scale
         self._rope: tuple[Tensor, Tensor] | None = None
 
     def __call__(self, x: Tensor, mask: Tensor) -> Tensor:

@@ -4,6 +4,7 @@ pays; and the rotary tables. Shared by the decoder (`decoder.py`) and the source
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -19,15 +20,30 @@ def _unit(x: Tensor) -> Tensor:
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype decoding computes in for parameters of `dtype` on `device`: float32 for half-precision
+    parameters on the CPU, else their own. bf16 and fp16 values widen to float32 exactly, and float32
+    runs on the CPU kernels, whose sums for a row do not depend on how many rows share the call;
+    speculation's exactness rests on that, and torch's half-precision CPU products do not keep it (a
+    verify pass over several tokens rounded differently from a one-token step). On a GPU the
+    parameters' dtype is kept."""
+    return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _c(t: Tensor) -> Tensor:
+    """A parameter as decoding computes with it (`compute_dtype`), detached."""
+    return t.detach().to(compute_dtype(t.dtype, t.device))
+
+
 def _t(weight: Tensor, norm: torch.nn.Module | None = None) -> Tensor:
     """A Linear weight (out, in) stored as a contiguous (in, out) matrix: `x @ w` on that layout is
     measurably faster for the few-row products of decoding than `x @ weight.t()` (MKL, CPU).
 
     `norm`: the spear-tts RMSNorm (F.normalize(x) * sqrt(dim) * gamma) in front of the Linear; its
     per-channel weight is folded into the matrix's rows, so the norm costs no multiply at run time."""
-    w_t = weight.detach().t()
+    w_t = _c(weight).t()
     if norm is not None:
-        w_t = w_t * (norm.gamma * norm.scale).detach()[:, None]
+        w_t = w_t * (_c(norm.gamma) * norm.scale)[:, None]
     return w_t.contiguous()
 
 
@@ -98,8 +114,8 @@ class _FeedForward:
 
     @classmethod
     def of(cls, ff: torch.nn.Sequential) -> "_FeedForward":
-        w_in, b_in = _t(ff[1].weight, ff[0]), ff[1].bias.detach()
-        w_out, b_out = _t(ff[4].weight), ff[4].bias.detach()
+        w_in, b_in = _t(ff[1].weight, ff[0]), _c(ff[1].bias)
+        w_out, b_out = _t(ff[4].weight), _c(ff[4].bias)
 
         def padded(multiple: int) -> tuple[Tensor, Tensor, Tensor]:
             # inner (e.g. 682 = int(256 * 4 * 2 / 3)) padded with zero units: a zero gate column gives
@@ -136,6 +152,10 @@ class _FeedForward:
 def rope_tables(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
     """(cos, sin) (capacity, d) for `rotate`, from the model's own rotary module, so positions match
     it bit for bit; rotate_half's sign is folded into sin."""
+    if any(b.dtype in (torch.bfloat16, torch.float16) and b.dtype != dtype for b in rotary.buffers()):
+        # a half-precision model's module: its copy in the compute dtype (`compute_dtype`; the module
+        # itself would compute positions in half precision, where 257 rounds to 256)
+        rotary = copy.deepcopy(rotary).to(dtype)
     pos = torch.arange(capacity, device=device, dtype=dtype)
     freqs = rotary(pos, seq_len=capacity)
     sign = torch.tensor([-1.0, 1.0], dtype=freqs.dtype, device=freqs.device).repeat(freqs.shape[-1] // 2)

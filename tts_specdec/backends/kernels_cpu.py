@@ -14,6 +14,7 @@ from torch import Tensor
 from .. import kernels
 from ..kernels import Packed
 from ..masks import additive
+from ..weights import _c
 from .torch_eager import TorchEager
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class CpuKernels(TorchEager):
         if cache.table is not None:
             raise ValueError("decode steps need a cache by value")
         k_all, v_all = cache.buffers(end)
-        emb = dec.model.token_emb[dec.target_type].weight.detach()
+        emb = _c(dec.model.token_emb[dec.target_type].weight)
         out = kernels.decode_steps(
             self.stack, head, emb, x[:, 0], layers, dec.per_row(pos, enc.guided), steps, cfg.temperature, generator,
             *dec._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask, top_k=cfg.top_k, top_p=cfg.top_p,

@@ -32,7 +32,7 @@ from torch import Tensor
 from ..cache import BufferPool, KVCache
 from ..finite import marked
 from ..sampling import cfg_mix, filter_logits
-from ..weights import _t, _unit, rotate
+from ..weights import _c, _t, _unit, rotate
 from .torch_eager import TorchEager
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class _Weights:
 
 
 def _ff_of(ff: torch.nn.Sequential) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _t(ff[1].weight, ff[0]), ff[1].bias.detach(), _t(ff[4].weight), ff[4].bias.detach()
+    return _t(ff[1].weight, ff[0]), _c(ff[1].bias), _t(ff[4].weight), _c(ff[4].bias)
 
 
 def _weights_of(dec: Decoder) -> _Weights:
@@ -88,7 +88,7 @@ def _weights_of(dec: Decoder) -> _Weights:
         none = torch.empty(0)
         exit_ff = _Layer(none, none, none, none, *_ff_of(head[0].fn))
         exit_out = _t(head[2].weight, head[1])
-    return _Weights(layers, target, exit_ff, exit_out, m.token_emb[dec.target_type].weight.detach())
+    return _Weights(layers, target, exit_ff, exit_out, _c(m.token_emb[dec.target_type].weight))
 
 
 # ---- the static step: pure functions of tensors (what torch.compile traces) -----------------------------
