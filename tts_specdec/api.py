@@ -67,8 +67,8 @@ class SpeculativeDecoder:
         of this machine (draft steps and verify passes timed once per parameters, dtype, device and thread
         count, kept by this object; `cost_model`) and the acceptance observed while decoding, and corrected
         by timing its own runs: plain steps, speculative cycles and (on the CPU) cycles with draft stops,
-        per number of running rows, kept by this object across calls, the fastest decoding almost all the
-        time. Speculation pays where verifying gamma + 1 tokens costs about one plain step.
+        per number of running rows (classes 1, 2, 3-4, 5-8, ...), kept by this object across calls, the
+        fastest decoding almost all the time. Speculation pays where verifying gamma + 1 tokens costs about one plain step.
         Default (None): "auto" for greedy decoding (temperature 0), whose tokens are the same at every
         gamma; 0 when sampling (temperature > 0), where the tokens follow the same law at every gamma but
         a seeded run's tokens depend on the gammas used: pass gamma="auto" to opt in (its choices follow
@@ -177,7 +177,7 @@ class SpeculativeDecoder:
         head (draft_width W >= beam_size candidates per level, default beam_size) and verifies them in
         tree passes, with the same result; "auto" (the default, since the result is the same at every
         gamma) chooses per call between plain and speculative beam search (W: draft_width, default
-        2 * beam_size) by timing its own calls, per batch size, kept by this object; short plain and
+        2 * beam_size) by timing its own calls, per batch size class, kept by this object; short plain and
         speculative beam searches timed once per parameters, dtype, device, thread count, beam size and
         width seed the choice. A model without an early-exit head runs plain beam search under "auto".
 
