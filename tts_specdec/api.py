@@ -10,13 +10,14 @@ from torch import Tensor
 
 from ._upstream import TextToSemantic
 from . import beam, speculative
-from .auto import AUTO, BEAM_GAMMAS, MAX_GAMMA, Costs, CostModel, SamplingPolicy
+from .auto import AUTO, MAX_GAMMA, CostModel, SamplingPolicy
 from .beam import SEMANTICS, BeamSemantics, beam_search_loop
 from .decoder import Decoder
 from .inputs import (
     check_beam_size, check_common, check_compile, check_draft_cond_scale, check_draft_width, check_float, check_gamma,
     check_int, check_length_penalty, check_memory, eval_mode, prepare_source, useful_gamma, walk,
 )
+from .measure import BEAM_GAMMAS, Costs
 from .results import Decoded, DecodeStats, most_used_gamma
 from .sampling import SamplingConfig
 from .speculative import sample_loop
@@ -64,14 +65,14 @@ class SpeculativeDecoder:
         gamma: tokens the early-exit head drafts per cycle for the target to verify in one pass (0: plain
         decoding), or "auto": each cycle's gamma (0 included) and draft stops are chosen from a cost model
         of this machine (draft steps and verify passes timed once per parameters, dtype, device and thread
-        count, kept by this object; `cost_model`) and the acceptance observed while decoding; it decodes
-        plainly wherever speculation is not predicted to beat plain decoding. Speculation pays where
-        verifying gamma + 1 tokens costs about one plain step.
+        count, kept by this object; `cost_model`) and the acceptance observed while decoding, and corrected
+        by timing its own runs: plain steps, speculative cycles and (on the CPU) cycles with draft stops,
+        per number of running rows (classes 1, 2, 3-4, 5-8, ...), kept by this object across calls, the
+        fastest decoding almost all the time. Speculation pays where verifying gamma + 1 tokens costs about one plain step.
         Default (None): "auto" for greedy decoding (temperature 0), whose tokens are the same at every
         gamma; 0 when sampling (temperature > 0), where the tokens follow the same law at every gamma but
-        a seeded run's tokens depend on the gammas used: pass gamma="auto" to opt in (on the CPU auto times
-        draft stops against a fixed gamma while it decodes, so a fixed generator reproduces a run only with
-        `draft_confidence` given). A model without an early-exit head
+        a seeded run's tokens depend on the gammas used: pass gamma="auto" to opt in (its choices follow
+        the clock, so a fixed generator does not reproduce a run). A model without an early-exit head
         decodes plainly under "auto"; an int gamma > 0 needs one. An int gamma is at most 256
         (`inputs.MAX_FIXED_GAMMA`); greedy decoding lowers one past max_length - 1 to that (the same tokens:
         stats.gamma is the gamma used). Sizes past what the device's memory holds are refused before
@@ -128,8 +129,8 @@ class SpeculativeDecoder:
                 _sizes(source, cond_scale, gamma=gamma, max_length=max_length))
             policy = None
             if gamma == AUTO:
-                ways = self.costs.ways(self.decoder, source.shape[0], temperature > 0)
-                policy = SamplingPolicy(self.costs.sampling(self.decoder), draft_confidence, ways=ways)
+                arms = self.costs.arms(self.decoder, temperature > 0, cond_scale > 1)
+                policy = SamplingPolicy(self.costs.sampling(self.decoder), arms, draft_confidence)
                 if not policy.pays:  # speculation cannot win here: plain decoding, no per-cycle choices
                     policy, gamma = None, 0
             start = time.perf_counter()
@@ -175,10 +176,10 @@ class SpeculativeDecoder:
         gamma: draft levels per cycle (0: plain beam search): gamma > 0 drafts steps with the early-exit
         head (draft_width W >= beam_size candidates per level, default beam_size) and verifies them in
         tree passes, with the same result; "auto" (the default, since the result is the same at every
-        gamma) times short plain and speculative beam searches once per parameters, dtype, device,
-        thread count, beam size and width (W: draft_width, default 2 * beam_size) and speculates only
-        where that and the beam steps speculative cycles committed so far predict a win; otherwise it
-        runs plain beam search. A model without an early-exit head runs plain beam search under "auto".
+        gamma) chooses per call between plain and speculative beam search (W: draft_width, default
+        2 * beam_size) by timing its own calls, per batch size class, kept by this object; short plain and
+        speculative beam searches timed once per parameters, dtype, device, thread count, beam size and
+        width seed the choice. A model without an early-exit head runs plain beam search under "auto".
 
         Sizes (docs/arguments.md): beam_size in [1, 1024] (upstream semantics: at most the vocabulary too);
         an int gamma in [0, 256], lowered to max_length - 1 past it; draft_width >= beam_size, lowered to
@@ -211,8 +212,12 @@ class SpeculativeDecoder:
                                                        max_length),
                          _sizes(source, cond_scale, beam_size=beam_size, gamma=gamma,
                                 draft_width=width if most else None, max_length=max_length))
-            if auto:
-                gamma = self.costs.beam_gamma(self.decoder, beam_size, width) if has_draft else 0
+            policy = None
+            if auto and has_draft:
+                policy = self.costs.beam_policy(self.decoder, source.shape[0], beam_size, width, cond_scale > 1)
+                gamma = policy.gamma()
+            elif auto:
+                gamma = 0
             start = time.perf_counter()
             same = dict(semantics=beam_semantics, temperature=temperature, source_mask=source_mask, progress=progress)
             if gamma:
@@ -230,8 +235,10 @@ class SpeculativeDecoder:
                 )
                 stats.steps = stats.target_passes = stats.beam_steps = steps
             stats.wall_time = time.perf_counter() - start
-        if auto and gamma:  # what its cycles committed informs the next auto call
-            self.costs.observe_beam(gamma, stats.committed_hist)
+        if policy is not None:  # what this call took and committed informs the next auto call
+            policy.done(stats.beam_steps)
+            if gamma:
+                self.costs.observe_beam(gamma, stats.committed_hist)
         mode = "auto-beam" if auto else "speculative-beam" if gamma else "beam"
         self._label(stats, mode, gamma, None)
         stats.auto = auto

@@ -9,8 +9,8 @@ Layers 1..E are shared: their K/V, written by the draft, serve the target too, s
 them twice (rejected drafts are the only wasted work). On the CPU kernels the whole draft phase is one
 call (`Backend.draft_phase`), early draft stops, top-k/top-p and guidance included, and plain sampling
 (gamma = 0) runs up to PLAIN_STEPS steps per call (`Backend.plain_steps`), each drawn as the step-by-step
-loop draws it. With gamma="auto" (`auto.SamplingPolicy`) gamma and draft stops may change from cycle to
-cycle; every cycle is exact on its own, so the output law stays the target's.
+loop draws it. With gamma="auto" a `Policy` (`auto.SamplingPolicy`) picks each cycle's gamma and draft
+stops; every cycle is exact on its own, so the output law stays the target's.
 A step whose target logits, or whose draft distribution the accept rule read, were not all finite ends
 the decode with `finite.NonFiniteLogits` (found in what each cycle reads back anyway).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -31,13 +31,23 @@ from .results import DecodeStats
 from .sampling import Acceptance, SamplingConfig, cfg_mix, draw, greedy_accept, probabilities, speculative_accept
 from .timing import PhaseClock
 
-if TYPE_CHECKING:
-    from .auto import SamplingPolicy
-
 
 # plain sampling steps per kernel call: the call's fixed cost spread over them; a run ends early
 # at EOS, so longer runs waste nothing
 PLAIN_STEPS = 32
+
+
+class Policy(Protocol):
+    """What the loop asks before each cycle and tells after it (gamma="auto": `auto.SamplingPolicy`)."""
+
+    def next(self, rows: int) -> tuple[int, float | None]:
+        """(gamma, draft_confidence) for the next cycle of `rows` running rows; gamma 0: a run of plain steps."""
+
+    def observe(self, accepted: list[int], proposed: list[int]) -> None:
+        """A speculative cycle's accepted and proposed drafts per row."""
+
+    def plain(self, steps: int) -> None:
+        """A run of `steps` plain steps (every running row advanced by that many)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,7 @@ def sample_loop(
     stats: DecodeStats,
     draft_confidence: float | None = None,
     draft_cond_scale: float | None = None,
-    auto: SamplingPolicy | None = None,
+    auto: Policy | None = None,
     source_mask: Tensor | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> list[Tensor]:
@@ -108,7 +118,7 @@ def sample_loop(
     clock = PhaseClock(device)
 
     while rows.index:
-        g, confidence = auto.next() if auto is not None else (gamma, draft_confidence)
+        g, confidence = auto.next(len(rows.index)) if auto is not None else (gamma, draft_confidence)
         upper = range(dec.exit_layer if g else 0, dec.depth)  # the verify pass's layers
         # plain sampling runs PLAIN_STEPS steps per kernel call (rows advance together: same length)
         steps = g or min(PLAIN_STEPS, max_length - len(out[rows.index[0]]))
@@ -213,7 +223,7 @@ def _cycle(
 def probe_cycle(dec: Decoder, x: Tensor, pos: Tensor, gamma: int, enc: Encoded, cache: KVCache) -> float:
     """One greedy unguided cycle at `gamma` (0: one plain step) from pending input x (rows, 1, dim) at
     slots pos (rows,), committing nothing: the cache keeps its lengths and a second call overwrites the
-    same slots. What `auto` times to measure what a cycle costs; returns its draft phase's seconds."""
+    same slots. What `measure` times to measure what a cycle costs; returns its draft phase's seconds."""
     stats, clock = DecodeStats(), PhaseClock(x.device)
     _cycle(dec, x, pos, gamma, range(dec.exit_layer if gamma else 0, dec.depth), enc, cache, SamplingConfig(0.0), None,
            _Guidance(False, 1.0, 1.0), None, stats, clock)

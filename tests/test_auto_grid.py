@@ -1,0 +1,65 @@
+"""tools/auto_grid.py's bookkeeping: the ratios each cell reports, the interleaved passes, the token check
+and its refusals of bad arguments (the timings themselves are not tested)."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tts_specdec.results import DecodeStats
+
+_spec = importlib.util.spec_from_file_location("auto_grid", Path(__file__).resolve().parents[1] / "tools/auto_grid.py")
+auto_grid = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("auto_grid", auto_grid)  # its dataclasses look their module up there
+_spec.loader.exec_module(auto_grid)
+
+
+def scripted(name: str, tokens: list[int], order: list[str], out=None) -> auto_grid.Mode:
+    """A mode that records when it ran and returns `tokens` (its emitted tokens' lists)."""
+    def run():
+        order.append(name)
+        return 10, DecodeStats(gamma_hist=[2, 1]), tokens if out is None else out.pop(0)
+    return auto_grid.Mode(name, run)
+
+
+def test_passes_interleave_and_the_warm_up_is_not_timed():
+    order = []
+    modes = [scripted(n, [[1, 2]], order) for n in ("plain", "fixed", "auto")]
+    assert auto_grid.measure(modes, 3)
+    assert order == ["plain", "fixed", "auto", "fixed", "auto", "plain", "auto", "plain", "fixed",
+                     "plain", "fixed", "auto"]
+    assert all(len(m.times) == 3 and m.tokens == [10] * 3 for m in modes)
+    assert modes[2].gamma_hist == [6, 3]  # summed over the timed passes
+
+
+def test_other_tokens_than_plain_are_found():
+    order = []
+    modes = [scripted("plain", [[1, 2]], order), scripted("fixed", [[1, 2]], order),
+             scripted("auto", None, order, out=[[[1, 2]], [[1, 2]], [[1, 3]], [[1, 2]]])]
+    assert not auto_grid.measure(modes, 3)
+
+
+def test_cell_ratios():
+    modes = [auto_grid.Mode(n, None, times=[1.0, 2.0, 1.0], tokens=[t, 2 * t, t])
+             for n, t in (("plain", 100), ("fixed", 150), ("auto", 140))]
+    cell = auto_grid.cell_result("shipped", 1, 2, "greedy", modes, True)
+    assert cell["tokens_per_s"] == {"plain": 100, "fixed": 150, "auto": 140}
+    assert cell["auto_vs_plain"] == pytest.approx(1.4) and cell["auto_vs_best"] == pytest.approx(140 / 150)
+    assert cell["fixed_vs_plain"] == pytest.approx(1.5) and cell["per_pass_auto_vs_plain"] == pytest.approx([1.4] * 3)
+    assert "| shipped | 1 | 2 | greedy | 100.0 | 1.50 | 1.40 | 0.93 |" in auto_grid.table([cell])
+    assert auto_grid.cell_result("shipped", 1, 2, "sample", modes, False)["same_tokens"] is None  # sampled: no check
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--reps", "2"], "--reps must be >= 3"),
+    (["--batches", "0", "2"], r"--batches must be >= 1, got \[0\]"),
+    (["--threads", "-1"], r"--threads must be >= 1"),
+    (["--sentences", "0"], "--sentences must be >= 1"),
+    (["--models", "huge"], "--models: invalid choice"),
+])
+def test_bad_arguments_are_refused_by_name(capsys, args, match):
+    with pytest.raises(SystemExit):
+        auto_grid.main(args)
+    assert re.search(match, capsys.readouterr().err)

@@ -1,0 +1,227 @@
+"""gamma="auto" against plain decoding and the best fixed setting, over a grid: the shipped model and its
+width-512 widening x batch sizes x thread counts x {sampling with gamma="auto", greedy decoding, beam
+search}.
+
+Each cell times three modes of its family on the same sentences (`--sentences` held-out sentences in
+batches of the cell's size): plain (gamma 0), the fixed speculative setting (gamma 4; beam search:
+gamma 1 with draft width 2K, the width auto uses) and gamma="auto". One untimed warm-up pass, then
+`--reps` passes, each running the three modes one after another in a rotating order (interleaved: load
+elsewhere hits them alike); a mode's speed is its median tokens/s over the passes. One
+`SpeculativeDecoder` per model serves every cell, as it would a user's session: what auto measures
+and learns is kept across its calls. Greedy decoding and beam search must return plain decoding's tokens
+under auto and the fixed setting: a cell where they do not is reported and the tool exits non-zero.
+
+    python tools/auto_grid.py --json benchmarks/auto_grid.json         # the full grid (about an hour)
+    python tools/auto_grid.py --quick                                   # shipped model, batch 1-2, 1 thread
+    python tools/auto_grid.py --models width512 --batches 1 --threads 2 --families greedy --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tts_specdec import SpeculativeDecoder  # noqa: E402
+from tts_specdec.results import DecodeStats  # noqa: E402
+
+MODELS = {"shipped": None, "width512": (512, 8)}  # widen(dim, heads) of the shipped checkpoint
+FAMILIES = ("sample", "greedy", "beam")
+BEAM_SIZE = 4
+FIXED_GAMMA = 4  # the fixed speculative setting of sampling and greedy decoding
+BEAM_GAMMA = 1  # and of beam search (at draft width 2K): the fastest fixed one wherever measured
+MIN_REPS = 3  # fewer passes give no median worth the name
+QUICK = dict(models=["shipped"], batches=[1, 2], threads=[1], reps=3)
+
+
+@dataclass
+class Mode:
+    name: str  # "plain", "fixed" or "auto"
+    run: Callable[[], tuple[int, DecodeStats, list[list[int]]]]  # -> tokens, summed stats, the tokens
+    times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    gamma_hist: list[int] = field(default_factory=list)  # summed over the timed passes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return statistics.median(n / t for n, t in zip(self.tokens, self.times))
+
+
+def load(model: str) -> SpeculativeDecoder:
+    from tts_specdec.speech.checkpoint import load_checkpoint
+    from tts_specdec.speech.pipeline import ASSETS
+    from tts_specdec.widen import widen
+
+    ckpt = load_checkpoint(ASSETS)
+    if MODELS[model] is not None:
+        ckpt = widen(ckpt, *MODELS[model])
+    return SpeculativeDecoder(ckpt.model.eval())
+
+
+def batches(dec: SpeculativeDecoder, sentences: int, batch: int) -> list[tuple[torch.Tensor, int]]:
+    """The held-out sentences in batches of `batch`, each with the pipeline's length cap."""
+    from tts_specdec.speech.pipeline import default_max_length
+    from tts_specdec.speech.references import heldout_sentences
+
+    texts = heldout_sentences(sentences)
+    sources = [dec.model.tokenizer_encode(texts[i : i + batch]) for i in range(0, sentences, batch)]
+    return [(s, default_max_length(s)) for s in sources]
+
+
+def modes(dec: SpeculativeDecoder, family: str, inputs: list[tuple[torch.Tensor, int]], seed: int) -> list[Mode]:
+    """plain, fixed and auto of one family over `inputs`."""
+    if family == "beam":
+        method, settings = "beam_search", {"plain": dict(gamma=0), "fixed": dict(gamma=BEAM_GAMMA, draft_width=2 * BEAM_SIZE),
+                                           "auto": dict(gamma="auto")}
+        common: dict = dict(beam_size=BEAM_SIZE)
+    else:
+        method, settings = "sample", {"plain": dict(gamma=0), "fixed": dict(gamma=FIXED_GAMMA), "auto": dict(gamma="auto")}
+        common = dict(temperature=1.0 if family == "sample" else 0.0)
+
+    def run(setting: dict) -> Callable[[], tuple[int, DecodeStats, list[list[int]]]]:
+        def go() -> tuple[int, DecodeStats, list[list[int]]]:
+            outs = []
+            for i, (source, max_length) in enumerate(inputs):
+                kw = dict(common, **setting, max_length=max_length)
+                if family == "sample":  # each batch its own seed, the same in every pass and mode
+                    kw["generator"] = torch.Generator().manual_seed(seed + i)
+                outs.append(getattr(dec, method)(source, **kw))
+            stats = DecodeStats.total([o.stats for o in outs])
+            return stats.generated_tokens, stats, [t.tolist() for o in outs for t in o.tokens]
+        return go
+
+    return [Mode(name, run(setting)) for name, setting in settings.items()]
+
+
+def measure(cell_modes: list[Mode], reps: int) -> bool:
+    """The warm-up pass, then `reps` interleaved passes in a rotating order; returns whether every mode
+    returned the same tokens as plain in every pass (what greedy decoding and beam search must)."""
+    same = True
+    reference = None
+    for rep in range(reps + 1):
+        order = cell_modes[rep % len(cell_modes):] + cell_modes[: rep % len(cell_modes)]
+        for mode in order:
+            start = time.perf_counter()
+            n, stats, tokens = mode.run()
+            seconds = time.perf_counter() - start
+            if mode.name == "plain":
+                reference = tokens
+            elif reference is not None and tokens != reference:
+                same = False
+            if rep:  # pass 0 warms up: kernels, prepared weights, auto's cost model and first timings
+                mode.times.append(seconds)
+                mode.tokens.append(n)
+                mode.gamma_hist = _add(mode.gamma_hist, stats.gamma_hist)
+    return same
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    return [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))]
+
+
+def cell_result(model: str, threads: int, batch: int, family: str, cell_modes: list[Mode], same: bool) -> dict:
+    speed = {m.name: m.tokens_per_s for m in cell_modes}
+    best = max(speed["plain"], speed["fixed"])
+    per_pass = {m.name: [n / t for n, t in zip(m.tokens, m.times)] for m in cell_modes}
+    return {
+        "model": model, "threads": threads, "batch": batch, "family": family,
+        "tokens_per_s": speed,
+        "auto_vs_plain": speed["auto"] / speed["plain"],
+        "auto_vs_best": speed["auto"] / best,
+        "fixed_vs_plain": speed["fixed"] / speed["plain"],
+        "per_pass_auto_vs_plain": [a / p for a, p in zip(per_pass["auto"], per_pass["plain"])],
+        "auto_gamma_hist": next(m.gamma_hist for m in cell_modes if m.name == "auto"),
+        "same_tokens": same if family != "sample" else None,
+    }
+
+
+def table(cells: list[dict]) -> str:
+    """The grid as a markdown table: auto / plain and auto / the faster of plain and fixed, per cell."""
+    lines = ["| model | threads | batch | family | plain tok/s | fixed / plain | auto / plain | auto / best |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        flag = "" if c["same_tokens"] in (True, None) else " (tokens differ!)"
+        lines.append(f"| {c['model']} | {c['threads']} | {c['batch']} | {c['family']} | {c['tokens_per_s']['plain']:.1f} | "
+                     f"{c['fixed_vs_plain']:.2f} | {c['auto_vs_plain']:.2f} | {c['auto_vs_best']:.2f}{flag} |")
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    return {"cpu": cpu, "torch": torch.__version__, "python": platform.python_version(), "commit": commit}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    p.add_argument("--sentences", type=int, default=8, help="held-out sentences per cell (default 8)")
+    p.add_argument("--reps", type=int, default=3, help=f"timed passes per cell, at least {MIN_REPS} (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="sampling's generator seed")
+    p.add_argument("--quick", action="store_true",
+                   help="a small grid to check the tool: shipped model, batches 1 and 2, 1 thread, 3 passes "
+                        "(flags given explicitly still apply)")
+    p.add_argument("--json", type=Path, help="also write the cells here")
+    args = p.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+    for name in ("batches", "threads"):
+        bad = [v for v in getattr(args, name) if v < 1]
+        if bad:
+            p.error(f"--{name} must be >= 1, got {bad}")
+    if args.reps < MIN_REPS:
+        p.error(f"--reps must be >= {MIN_REPS} (a median of passes), got {args.reps}")
+    if args.sentences < 1:
+        p.error(f"--sentences must be >= 1, got {args.sentences}")
+
+    cells = []
+    for model in args.models:
+        dec = load(model)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for batch in args.batches:
+                inputs = batches(dec, args.sentences, batch)
+                for family in args.families:
+                    cell_modes = modes(dec, family, inputs, args.seed)
+                    same = measure(cell_modes, args.reps)
+                    cells.append(cell_result(model, threads, batch, family, cell_modes, same))
+                    c = cells[-1]
+                    print(f"{model} threads {threads} batch {batch} {family}: auto/plain {c['auto_vs_plain']:.3f} "
+                          f"auto/best {c['auto_vs_best']:.3f} fixed/plain {c['fixed_vs_plain']:.3f}"
+                          f"{'' if c['same_tokens'] in (True, None) else '  TOKENS DIFFER'}", file=sys.stderr, flush=True)
+    print(table(cells))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": machine(), "sentences": args.sentences, "reps": args.reps,
+                                         "beam_size": BEAM_SIZE, "fixed_gamma": FIXED_GAMMA,
+                                         "beam_gamma": BEAM_GAMMA, "cells": cells}, indent=1))
+    return 0 if all(c["same_tokens"] in (True, None) for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

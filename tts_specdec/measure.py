@@ -1,0 +1,220 @@
+"""What gamma="auto" knows about one decoder on this machine: the cost models it seeds its choices with,
+measured on short dummy decodes (`measure_sampling`, `measure_beam`), and the timings of its own runs
+(`auto.Arms`), kept by `Costs` per parameters, dtype, device and thread count.
+
+The measurements run the real loops (`speculative.probe_cycle`, the beam search loops) on their own
+caches; the policies in `auto` get only the numbers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence, TypeVar
+
+import torch
+from torch import Tensor
+
+from .auto import (
+    BEAM_PRIOR_STEPS, BEAM_PRIOR_WEIGHT, EXPLORE_CALLS, MAX_GAMMA, Arms, BeamCosts, BeamPolicy, CostModel, row_class,
+)
+from .beam import beam_search_loop, encode_beams
+from .decoder import Decoder
+from .results import DecodeStats
+from .sampling import SamplingConfig
+from .speculative import probe_cycle
+
+SAMPLE_GAMMAS = (0, 1, 2, 4, 7, 10)  # cycles timed; v is interpolated between them
+BEAM_GAMMAS = (1, 2)  # speculative beam cycles timed (longer ones lose more wherever measured)
+SOURCE_LENGTH = 48  # dummy source tokens (a sentence)
+PREFIX = 64  # dummy decoded positions before the timed calls: attention over a typical prefix
+PLAIN_PROBE_STEPS = 4  # steps per timed fused plain run
+REPS = 5  # timed repetitions per call (median), after one untimed warm-up
+# beam searches are timed whole (a few steps each): fewer, on a short source whose encoding, taken out of
+# the timings, costs little next to them
+BEAM_PROBE_LENGTH = 4
+BEAM_SOURCE_LENGTH = 8
+BEAM_REPS = 3
+KEEP = 4  # states kept per decoder (a training loop changes parameters every call)
+
+
+class Costs:
+    """The cost models of one decoder, each measured once per (parameters, dtype, device, threads), the
+    timings of auto's arms, and the beam steps speculative beam search committed per cycle in auto calls."""
+
+    def __init__(self) -> None:
+        self._sampling: dict[tuple, CostModel] = {}
+        self._beam: dict[tuple, BeamCosts] = {}
+        self._arms: dict[tuple, dict[int, Arms]] = {}
+        self._beam_steps: dict[int, tuple[float, float]] = {}  # gamma -> (committed steps, cycles)
+
+    @staticmethod
+    def key(dec: Decoder) -> tuple:
+        """What the timings depend on. `Decoder.begin` (called first by every decode call) keeps its
+        parameter state in `_state`: storage, versions and values of the parameters, the thread count and
+        the kernel switch."""
+        return dec._state, dec.dtype, dec.device, torch.get_num_threads()
+
+    def sampling(self, dec: Decoder) -> CostModel:
+        return _kept(self._sampling, self.key(dec), lambda: measure_sampling(dec))
+
+    def arms(self, dec: Decoder, sampling: bool, guided: bool) -> dict[int, Arms]:
+        """The timed arms of auto sampling (greedy or not, guided or not) by row class, kept across calls."""
+        return _kept(self._arms, (self.key(dec), "sample", sampling, guided), dict)
+
+    def beam(self, dec: Decoder, beam_size: int, draft_width: int) -> BeamCosts:
+        key = (self.key(dec), beam_size, draft_width)
+        return _kept(self._beam, key, lambda: measure_beam(dec, beam_size, draft_width))
+
+    def beam_policy(self, dec: Decoder, batch: int, beam_size: int, draft_width: int, guided: bool) -> BeamPolicy:
+        """gamma="auto" for a beam search call: seeded by `beam`, timed per batch's row class."""
+        tables = _kept(self._arms, (self.key(dec), "beam", beam_size, draft_width, guided), dict)
+        table = tables.setdefault(row_class(batch), Arms(EXPLORE_CALLS))
+        steps = []
+        for gamma in BEAM_GAMMAS:
+            committed, cycles = self._beam_steps.get(gamma, (0.0, 0.0))
+            prior = BEAM_PRIOR_STEPS[min(gamma, len(BEAM_PRIOR_STEPS)) - 1]
+            steps.append((committed + BEAM_PRIOR_WEIGHT * prior) / (cycles + BEAM_PRIOR_WEIGHT))
+        return BeamPolicy(self.beam(dec, beam_size, draft_width), table, steps)
+
+    def observe_beam(self, gamma: int, committed_hist: list[int]) -> None:
+        """What an auto speculative beam search at `gamma` committed per cycle ([k] = cycles committing k)."""
+        committed, cycles = self._beam_steps.get(gamma, (0.0, 0.0))
+        self._beam_steps[gamma] = (committed + sum(k * n for k, n in enumerate(committed_hist)),
+                                   cycles + sum(committed_hist))
+
+
+T = TypeVar("T")
+
+
+def _kept(store: dict[tuple, T], key: tuple, measure: Callable[[], T]) -> T:
+    """store[key], measured first if missing; the oldest entry goes beyond KEEP."""
+    if key not in store:
+        if len(store) >= KEEP:
+            del store[next(iter(store))]  # the oldest
+        store[key] = measure()
+    return store[key]
+
+
+def measure_sampling(dec: Decoder) -> CostModel:
+    """Time greedy cycles at SAMPLE_GAMMAS drafts (batch 1, after a PREFIX-token dummy prefix) and plain
+    steps; the draft's cost per step is the slope of the cycles' draft phases. Runs on its own cache and
+    leaves the decoder's counters as they were. Call inside `inputs.eval_mode`, after `Decoder.begin`."""
+    if dec.exit_layer is None:
+        raise ValueError("speculative sampling needs an early-exit head: there is nothing to measure")
+    evals = list(dec.layer_evals)
+    try:
+        enc = dec.encode(_dummy_source(dec, SOURCE_LENGTH))
+        cache = dec.new_cache(1, PREFIX + max(MAX_GAMMA, PLAIN_PROBE_STEPS) + 4)
+        dec.run(dec.start(1).expand(1, PREFIX, -1).contiguous(), 0, range(dec.depth), enc, cache)
+        x, pos = dec.start(1), torch.tensor([PREFIX], device=dec.device)
+        fused = dec.backend.fused_plain
+        cycle: dict[int, list[float]] = {g: [] for g in SAMPLE_GAMMAS}
+        draft: dict[int, list[float]] = {g: [] for g in SAMPLE_GAMMAS}
+        plain: list[float] = []
+        # round robin, the first round untimed: a burst of load elsewhere hits every gamma alike
+        for rep in range(REPS + 1):
+            for gamma in SAMPLE_GAMMAS:
+                seconds, draft_seconds = _timed(dec.device, lambda: probe_cycle(dec, x, pos, gamma, enc, cache))
+                if rep:
+                    cycle[gamma].append(seconds)
+                    draft[gamma].append(draft_seconds)
+            if fused:
+                seconds, run = _timed(
+                    dec.device, lambda: dec.backend.plain_steps(x, pos, PLAIN_PROBE_STEPS, SamplingConfig(0.0), None,
+                                                                enc, cache))
+                if rep:
+                    plain.append(seconds / run[0].shape[1])  # a run may end early, at EOS
+    finally:
+        dec.layer_evals = evals
+    cycle_s = {g: statistics.median(t) for g, t in cycle.items()}
+    # plain decoding takes its steps in fused runs where the kernels have them, else one cycle each; the
+    # cheaper of the two is the step speculation has to beat
+    t_step = min(cycle_s[0], statistics.median(plain)) if plain else cycle_s[0]
+    drafting = [g for g in SAMPLE_GAMMAS if g]
+    draft_s = {g: statistics.median(draft[g]) for g in drafting}
+    # the draft phase's slope over gamma; under load elsewhere timings jump, and a slope above some
+    # gamma's whole draft phase per draft would leave its verify negative: bounded by those
+    per_draft = min(max(_slope(drafting, [draft_s[g] for g in drafting]), 0.0), *(draft_s[g] / g for g in drafting))
+    # v at the measured n = gamma + 1 (never below what the verify phases themselves took), then linear
+    # in between
+    verify_s = {g: statistics.median(c - d for c, d in zip(cycle[g], draft[g])) for g in SAMPLE_GAMMAS}
+    measured = {g + 1: max(cycle_s[g] - g * per_draft, verify_s[g]) / t_step for g in SAMPLE_GAMMAS}
+    v = tuple(_interpolate(measured, n) for n in range(1, MAX_GAMMA + 2))
+    return CostModel(t_step, per_draft / t_step, v, dec.device.type)
+
+
+def measure_beam(dec: Decoder, beam_size: int, draft_width: int) -> BeamCosts:
+    """Time short plain and speculative (BEAM_GAMMAS, `draft_width`) beam searches on a short dummy
+    source: seconds per beam step and per speculative cycle, the source's encoding taken out. These are
+    the real loops, their Python bookkeeping included (what decides whether speculative beam search
+    pays), each on its own cache. Call inside `inputs.eval_mode`, after `Decoder.begin`."""
+    from .spec_beam import spec_beam_search_loop
+
+    evals = list(dec.layer_evals)
+    source = _dummy_source(dec, BEAM_SOURCE_LENGTH)
+    kw = dict(beam_size=beam_size, length_penalty=1.0, max_length=BEAM_PROBE_LENGTH, cond_scale=1.0)
+
+    def plain() -> int:
+        return beam_search_loop(dec, source, **kw)[2]
+
+    def speculative(gamma: int) -> int:
+        stats = DecodeStats()
+        spec_beam_search_loop(dec, source, **kw, gamma=gamma, draft_width=draft_width, stats=stats)
+        return stats.steps
+
+    runs = [plain] + [lambda g=g: speculative(g) for g in BEAM_GAMMAS]
+    times: list[list[float]] = [[] for _ in runs]
+    try:
+        encode = _median(dec.device, lambda: encode_beams(dec, source, beam_size, False))
+        for rep in range(BEAM_REPS + 1):  # round robin, the first round untimed (as in measure_sampling)
+            for run, seconds in zip(runs, times):
+                elapsed, steps = _timed(dec.device, run)
+                if rep:  # under load the encoding's median can exceed this run's own: a run never costs nothing
+                    seconds.append(max(elapsed - encode, 0.1 * elapsed) / steps)
+    finally:
+        dec.layer_evals = evals
+    step, *cycles = (statistics.median(t) for t in times)
+    return BeamCosts(step, tuple(cycles))
+
+
+def _dummy_source(dec: Decoder, length: int) -> Tensor:
+    """(1, length) ids of the source vocabulary, no padding: only the length matters."""
+    m = dec.model
+    vocab = m.num_text_token_ids if dec.source_type == "text" else m.num_semantic_token_ids
+    ids = [i for i in range(vocab) if i != m.pad_id[dec.source_type]]
+    return torch.tensor([[ids[i % len(ids)] for i in range(length)]], device=dec.device)
+
+
+def _timed(device: torch.device, fn: Callable[[], object]) -> tuple[float, object]:
+    """(seconds, result) of fn(), with the device's queued work included."""
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - start, out
+
+
+def _median(device: torch.device, fn: Callable[[], object]) -> float:
+    """Median seconds of REPS calls after an untimed one."""
+    fn()
+    return statistics.median(_timed(device, fn)[0] for _ in range(REPS))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def _interpolate(points: dict[int, float], n: int) -> float:
+    """points at n, or linear between the nearest measured n on each side."""
+    if n in points:
+        return points[n]
+    lo, hi = max(k for k in points if k < n), min(k for k in points if k > n)
+    return points[lo] + (points[hi] - points[lo]) * (n - lo) / (hi - lo)
