@@ -659,6 +659,18 @@ def run_beam_calls(seed: BeamCosts, table: Arms, per_step: dict[str, float], cal
     return ran
 
 
+def test_beam_policy_on_the_compiled_path_explores_only_the_predicted_arm():
+    """explore_all=False (static shapes: a first call of an arm compiles it): the arm predicted faster runs
+    call after call; the other only when revisited, however close its prediction."""
+    seed = BeamCosts(1e-3, (1.6e-3, 2.2e-3))  # speculative predicted at 0.94x of plain
+    table, arms = Arms(EXPLORE_CALLS), []
+    for _ in range(10):
+        policy = BeamPolicy(seed, table, (1.5, 1.9), explore_all=False)
+        arms.append(SPECULATIVE if policy.gamma() else PLAIN)
+        policy.done(50)
+    assert arms == [PLAIN] * 10
+
+
 @pytest.mark.parametrize("faster", [PLAIN, SPECULATIVE])
 def test_beam_policy_times_its_calls_and_keeps_the_faster(faster):
     """Speculative beam search predicted at 0.94x of plain (close: both explored, EXPLORE_CALLS calls each

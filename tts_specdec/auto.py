@@ -291,12 +291,15 @@ class BeamPolicy:
     Ask `gamma()` before the call and tell `done(steps)` after it."""
 
     def __init__(self, costs: BeamCosts, table: Arms, steps_per_cycle: Sequence[float],
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, explore_all: bool = True) -> None:
+        """`explore_all=False`: only the arm predicted fastest is explored, the other only revisited (the
+        compiled path, where an arm's first call compiles its graphs: tens of seconds on a GPU)."""
         speedups = beam_speedups(costs.step, costs.cycles, steps_per_cycle)
         self.spec_gamma = 1 + max(range(len(speedups)), key=speedups.__getitem__) if speedups else 0
         predicted = {PLAIN: 1.0, SPECULATIVE: max(speedups, default=0.0)}
         self.arms = tuple(sorted(predicted, key=predicted.__getitem__, reverse=True))
-        self.explore = [arm for arm in self.arms if predicted[arm] >= PLAUSIBLE * predicted[self.arms[0]]]
+        plausible = PLAUSIBLE if explore_all else 1.0
+        self.explore = [arm for arm in self.arms if predicted[arm] >= plausible * predicted[self.arms[0]]]
         self.table = table
         self._clock = clock or time.perf_counter
         self._run: _Run | None = None

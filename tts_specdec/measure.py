@@ -75,7 +75,8 @@ class Costs:
             committed, cycles = self._beam_steps.get(gamma, (0.0, 0.0))
             prior = BEAM_PRIOR_STEPS[min(gamma, len(BEAM_PRIOR_STEPS)) - 1]
             steps.append((committed + BEAM_PRIOR_WEIGHT * prior) / (cycles + BEAM_PRIOR_WEIGHT))
-        return BeamPolicy(self.beam(dec, beam_size, draft_width), table, steps)
+        return BeamPolicy(self.beam(dec, beam_size, draft_width), table, steps,
+                          explore_all=not dec.backend.static_shapes)
 
     def observe_beam(self, gamma: int, committed_hist: list[int]) -> None:
         """What an auto speculative beam search at `gamma` committed per cycle ([k] = cycles committing k)."""
