@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tts_specdec import DecodeStats, SpeculativeDecoder, auto, measure, patch
+from tts_specdec.sampling import SamplingConfig
 from tts_specdec.auto import (
     DRAFT_CONFIDENCE, EXPLORE_CALLS, EXPLORE_CYCLES, FIXED, HALF_LIFE, MARGIN, MAX_GAMMA, PLAIN, REVISIT,
     SPECULATIVE, STOPS, Arms, BeamCosts, BeamPolicy, CostModel, SamplingPolicy, beam_speedups, choose_gamma,
@@ -729,3 +730,44 @@ def test_policies_import_no_loop():
     for loop in ("speculative", "beam", "spec_beam", "decoder"):
         assert not imported(loop) & {"auto", "measure", "api"}
     assert {"auto", "speculative", "beam"} <= imported("measure")
+
+
+class _Scripted:
+    """A `speculative.Policy` that alternates runs of plain steps and gamma-2 cycles and records what the
+    loop tells it."""
+
+    def __init__(self) -> None:
+        self.calls, self.kept_tokens = 0, []
+
+    def next(self, rows: int) -> tuple[int, None]:
+        self.calls += 1
+        return (0 if self.calls % 2 else 2), None
+
+    def observe(self, accepted: list[int], proposed: list[int]) -> None:
+        pass
+
+    def plain(self, steps: int) -> None:
+        pass
+
+    def kept(self, tokens: int) -> None:
+        self.kept_tokens.append(tokens)
+
+
+def test_auto_books_the_tokens_rows_kept_not_those_past_their_end():
+    """A batch whose rows end at different lengths: the loop tells the policy, per cycle or plain run, the
+    tokens kept (each row's EOS included, nothing after it), which sum to the decode's tokens plus one EOS
+    per row that ended on one; a run of 32 plain steps past a row's EOS books none of them."""
+    from tts_specdec.speculative import sample_loop
+
+    model = make_model(3)
+    dec = SpeculativeDecoder(model).decoder
+    dec.begin()
+    source = make_source(4, 6, seed=2, lengths=[6, 3, 5, 4])
+    policy, stats = _Scripted(), DecodeStats()
+    with torch.no_grad():
+        out = sample_loop(dec, source, SamplingConfig(0.0), gamma=2, cond_scale=1.0, max_length=40,
+                          generator=None, stats=stats, auto=policy)
+    ended_on_eos = sum(len(o) < 40 for o in out)
+    assert ended_on_eos > 0 and len({len(o) for o in out}) > 1  # rows end at different lengths
+    assert sum(policy.kept_tokens) == sum(len(o) for o in out) + ended_on_eos
+    assert len(policy.kept_tokens) == policy.calls

@@ -264,6 +264,13 @@ class SamplingPolicy:
         self._fade(steps)
         self._emitted(steps * self._rows)
 
+    def kept(self, tokens: int) -> None:
+        """The tokens the last cycle or run of plain steps kept, EOS and max_length applied: what its time
+        is booked against. `observe` and `plain` count every row's tokens, also those a row produced past
+        its end, which a run of 32 plain steps does most (a batch's ending rows made plain runs look
+        faster than they were)."""
+        self._emitted(tokens)
+
     def _emitted(self, tokens: float) -> None:
         if self._run is not None:
             self._run.tokens = tokens

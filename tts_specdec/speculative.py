@@ -49,6 +49,9 @@ class Policy(Protocol):
     def plain(self, steps: int) -> None:
         """A run of `steps` plain steps (every running row advanced by that many)."""
 
+    def kept(self, tokens: int) -> None:
+        """The tokens the last cycle or run kept, EOS and max_length applied."""
+
 
 @dataclass(frozen=True)
 class _Guidance:
@@ -140,16 +143,21 @@ def sample_loop(
         # commit: each row's new tokens (a plain run, or accepted drafts and the correction/bonus token);
         # a row ends at EOS or max_length. A step picked from non-finite logits is marked (`finite`).
         first_marked(rows.index, new, [len(out[i]) for i in rows.index], dec.eos_id, max_length)
-        keep = []
+        keep, kept = [], 0  # kept: tokens emitted this cycle, a row's EOS included, nothing after it
         for r, (i, tokens) in enumerate(zip(rows.index, new)):
             rows.pos[r] += len(tokens)
             if dec.eos_id is not None and dec.eos_id in tokens:
                 tokens, ended = tokens[: tokens.index(dec.eos_id)], True
+                kept += 1
             else:
                 ended = len(out[i]) + len(tokens) >= max_length
-            out[i].extend(tokens[: max_length - len(out[i])])
+            added = tokens[: max_length - len(out[i])]
+            out[i].extend(added)
+            kept += len(added)
             if not ended:
                 keep.append(r)
+        if auto is not None:
+            auto.kept(kept)
         # a row that goes on took exactly its `advance` (accepted drafts and the next token; a plain run's
         # steps): the device's positions stay equal to `rows.pos` (an ended row's are dropped below)
         rows.pos_t = pos_t + advance
