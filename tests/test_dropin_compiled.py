@@ -53,7 +53,7 @@ def test_seeds_cover_speculation_and_eos(models):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_compiled_dropin_equals_uncompiled_dropin(models, seed, name):
     """The patched model's generate() on compiled steps returns what the default path's drop-in returns;
-    the same call again compiles nothing."""
+    the same call again compiles nothing where its decoding path is fixed."""
     model, source = models[seed]
     kwargs, edit = SETTINGS[name]
     source, extra = edited(model, source, edit, seed)
@@ -64,7 +64,11 @@ def test_compiled_dropin_equals_uncompiled_dropin(models, seed, name):
     graphs = counters["stats"]["unique_graphs"]
     assert model.__dict__[_CACHE][("text", "speech", BACKEND)][1].decoder.backend.name == "compiled"
     again = model.generate(source, **kw)
-    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    assert not counters["graph_break"]
+    # beam search without spec_decode runs under gamma="auto", which may take the other arm (plain or
+    # speculative beam search) on a later call, as its timings decide: that call compiles its graphs
+    if kwargs.get("spec_decode") or not kwargs.get("beam_search_decode"):
+        assert counters["stats"]["unique_graphs"] == graphs
     for got in (out, again):
         got, want = (got, ref) if isinstance(ref, tuple) else ((got,), (ref,))
         assert len(got) == len(want)
