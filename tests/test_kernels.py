@@ -181,8 +181,8 @@ def test_instruction_sets_give_the_same_bits(isa_restored):
 
 
 def test_auto_isa_gives_the_same_bits_at_every_row_count(isa_restored):
-    """"auto" switches tiles (AVX-512 up to 6 rows, AVX2 above) with the row count: a row's product
-    must not change with it."""
+    """"auto" takes tiles of several panels for a few rows and of up to 14 rows for more: a row's
+    product must not change with the row count."""
     if len(_isas()) < 2:
         pytest.skip("this CPU has no AVX-512")
     kernels.isa("auto")

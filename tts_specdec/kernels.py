@@ -4,7 +4,7 @@ A decode step multiplies 1-40 rows (a step, a verify pass, a speculative beam tr
 matrix, and MKL runs such skinny products far below the memory bandwidth. `csrc/small_gemm.cpp` packs
 each matrix into groups of 16-column panels and streams them once per call over torch's own threads,
 every tile of rows passing over a slab of weights while it is in L1, so a pass over many tokens reads
-each weight once; AVX-512 tiles serve calls of up to 6 rows where the CPU has it, AVX2's the rest (`isa`). On a
+each weight once; AVX-512 tiles where the CPU has it, AVX2's elsewhere (`isa`). On a
 small model the rest of a layer is dispatch (an attention call, rotary, cache writes and layout copies
 as separate small kernels): `csrc/attention.cpp` does each attention in one call, and
 `csrc/layers.cpp` (`Stack`) runs a range of layers without returning to Python, on weights checked once
@@ -326,10 +326,10 @@ def speculative_accept(
 
 
 def isa(name: str = "") -> str:
-    """The tiles the products run on: "auto" where the CPU has AVX-512 (its tiles for calls of up to 6
-    rows, AVX2's above: the faster of each on the AMD EPYC we measured, `csrc/small_gemm.cpp`), else
-    "avx2"; TTS_SPECDEC_ISA=avx2 or =avx512 starts with those for every call. `name` switches it for this
-    process. All sum in the same order and give the same bits."""
+    """The tiles the products run on, "avx512" where the CPU has AVX-512 (faster at every row count on
+    the AMD EPYC we measured, `csrc/small_gemm.cpp`), else "avx2"; TTS_SPECDEC_ISA=avx2 starts with AVX2's.
+    `name` ("avx2", "avx512", or "auto": the widest the CPU has) switches it for this process. Both sum in
+    the same order and give the same bits."""
     if _load() is None:
         raise RuntimeError(f"the CPU kernels do not run here: {unavailable_reason()}")
     return _module.set_isa(name)

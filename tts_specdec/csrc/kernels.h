@@ -20,9 +20,9 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
           const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy,
           const int64_t* index = nullptr);
 
-// The tiles of the products: "auto" (AVX-512's up to 6 rows, AVX2's above), "avx512" or "avx2" switch
-// (the first two an error where the CPU lacks AVX-512), "" keeps them; returns the setting now in use.
-// All give the same bits.
+// The tiles of the products: "avx512" or "avx2" switch (the first an error where the CPU lacks
+// AVX-512), "auto" takes the widest the CPU has, "" keeps them; returns the setting now in use. Both give
+// the same bits.
 std::string set_isa(const std::string& name);
 
 // out = h * gelu(gate) for n floats (exact GELU); out may be h itself.

@@ -107,42 +107,31 @@ bool cpu_has_avx512() {
   return __builtin_cpu_supports("avx512f");
 }
 
-// Which tiles run. "auto": AVX-512's for calls of up to kFewRows rows (memory-bound: measured 8-9%
-// faster on one row on an AMD EPYC Zen 4, tools/gemm_rows.py), AVX2's for more rows (there Zen 4's
-// 512-bit FMAs, two 256-bit halves, gave ~125 GFLOPS on 2 cores against ~165 for AVX2's 6 x 1 tiles);
-// "avx512" or "avx2" for every call. All sum every element in the same order, so they give the same
-// bits (a test compares them) and the choice per call changes no result.
-enum class Isa { kAuto, kAvx512, kAvx2 };
+// Which tiles run: AVX-512's where the CPU has AVX-512F, else AVX2's (TTS_SPECDEC_ISA=avx2 or
+// `set_isa("avx2")` forces AVX2's). On an AMD EPYC (Zen 4, whose 512-bit FMAs are two 256-bit halves)
+// AVX-512's tiles beat AVX2's 6 x 1 at every row count once they stopped keeping their accumulators on
+// the stack (`slab` inlined): weights streamed from memory, 2 threads, one process, interleaved, an n-row
+// product over a 1-row one: 8 rows 0.95-0.98x against 1.32-1.35x, 16 rows 1.63-1.71x against
+// 1.83-1.94x, 32 rows 3.2-3.3x against 3.4-3.6x (2026-11-26). Every tile sums every element in the same
+// order, so both give the same bits (a test compares them) and the choice changes no result.
+bool use_avx512 = cpu_has_avx512() && !(std::getenv("TTS_SPECDEC_ISA") && std::string(std::getenv("TTS_SPECDEC_ISA")) == "avx2");
 
-Isa initial_isa() {
-  const char* env = std::getenv("TTS_SPECDEC_ISA");
-  if (env && std::string(env) == "avx2") return Isa::kAvx2;
-  if (!cpu_has_avx512()) return Isa::kAvx2;
-  return env && std::string(env) == "avx512" ? Isa::kAvx512 : Isa::kAuto;
-}
-
-Isa isa = initial_isa();
-
-GroupFn group_fn(int64_t rows) {
-  switch (isa) {
-    case Isa::kAvx512: return &avx512::run_group;
-    case Isa::kAuto: return rows <= avx512::kFewRows ? &avx512::run_group : &avx2::run_group;
-    default: return &avx2::run_group;
-  }
-}
+GroupFn group_fn() { return use_avx512 ? &avx512::run_group : &avx2::run_group; }
 
 }  // namespace
 
 std::string set_isa(const std::string& name) {
-  if (name == "avx512" || name == "auto") {
+  if (name == "avx512") {
     TORCH_CHECK(cpu_has_avx512(), "isa: this CPU has no AVX-512");
-    isa = name == "auto" ? Isa::kAuto : Isa::kAvx512;
+    use_avx512 = true;
+  } else if (name == "auto") {
+    use_avx512 = cpu_has_avx512();
   } else if (name == "avx2") {
-    isa = Isa::kAvx2;
+    use_avx512 = false;
   } else {
     TORCH_CHECK(name.empty(), "isa: 'auto', 'avx2', 'avx512' or '' (which one runs), not '", name, "'");
   }
-  return isa == Isa::kAuto ? "auto" : isa == Isa::kAvx512 ? "avx512" : "avx2";
+  return use_avx512 ? "avx512" : "avx2";
 }
 
 void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels,
@@ -158,7 +147,7 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
     for (int64_t k = 0; k < in; ++k) ss += double(xm[k]) * xm[k];
     inv_norm[m] = float(1.0 / std::max(std::sqrt(ss), 1e-12));
   }
-  const GroupFn run_group = group_fn(rows);
+  const GroupFn run_group = group_fn();
   const int64_t groups = (n_panels + kGroup - 1) / kGroup;
   const int64_t grain = std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, (rows + kWeightCost) * in * kPanel * kGroup));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
