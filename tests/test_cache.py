@@ -75,6 +75,21 @@ def test_reorder_gathers_rows(index, dtype):
         assert (cache.k[:, :, :, cache.high :] == 7.0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["torch", "kernel"])  # float32: the C++ path
+def test_move_slots_copies_within_rows(dtype):
+    """Slots src of the given rows land at dst in every layer and head, read before any write (dst of one
+    entry is another's src), and nothing else changes."""
+    cache = filled(dtype=dtype)
+    k, v = cache.k.clone(), cache.v.clone()
+    rows, src, dst = torch.tensor([2, 0]), torch.tensor([[4, 1], [3, 5]]), torch.tensor([[1, 2], [5, 3]])
+    cache.move_slots(rows, src, dst)
+    want_k, want_v = k.clone(), v.clone()
+    for i, r in enumerate(rows.tolist()):
+        for s, d in zip(src[i].tolist(), dst[i].tolist()):
+            want_k[:, r, :, d], want_v[:, r, :, d] = k[:, r, :, s], v[:, r, :, s]
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
+
+
 def test_repeat_makes_consecutive_copies():
     cache = filled()
     k, lengths = cache.k.clone(), cache.lengths.clone()

@@ -311,6 +311,12 @@ def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:
     _module.reorder_rows(t, index, high)
 
 
+def move_slots(t: Tensor, rows: Tensor, src: Tensor, dst: Tensor) -> None:
+    """In place: within row rows[i] of a cache buffer t (layers, rows, heads, capacity, d), every layer's
+    and head's slots src[i] are copied to slots dst[i] ((n, s) int64), all read before any is written."""
+    _module.move_slots(t, rows, src, dst)
+
+
 def cross_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     """q (rows * n, h d) over keys/values (rows, h, S, d) with an additive mask (rows, S) -> (rows * n, h d)."""
     return _module.cross_attention(q, keys, values, mask)

@@ -311,8 +311,9 @@ def verify(
     h = dec.run(tree.h[:, :m], start, upper, live.enc, cache,
                 **_tree_pass(dec, tree.anc, idx, t, same_t, tree.count, guided, cache, tree.depth[:, :m], static,
                              None if static else max(live.lengths) + m))
-    lp = step_logprobs(dec.target_logits(h), cond_scale, temperature)  # (R, m, V)
-    return lp[tree.row, tree.index]
+    g = 2 if guided else 1
+    nodes = h.view(t.numel(), g, m, -1)[tree.row, :, tree.index]  # (N, g, dim): the head skips padding
+    return step_logprobs(dec.target_logits(nodes.flatten(0, 1)), cond_scale, temperature)
 
 
 def replay(
