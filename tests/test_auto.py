@@ -259,6 +259,7 @@ class Script:
             else:
                 policy.plain(32)
                 tokens = 32 * r
+            policy.kept(tokens)
             seconds = self.cost(arm, r) * tokens
             self.now += seconds
             ran.append((arm, seconds))
@@ -322,10 +323,13 @@ def test_policy_tells_the_faster_arm_through_noisy_cycles(faster):
                 gamma, confidence = policy.next(1)
                 arm = PLAIN if not gamma else STOPS if confidence is not None else FIXED
                 if gamma:
-                    policy.observe([rng.randint(0, 4)], [gamma])
+                    accepted = rng.randint(0, 4)
+                    policy.observe([accepted], [gamma])
+                    policy.kept(accepted + 1)
                     self.now += 0.85 if arm == faster else 1.0
                 else:
                     policy.plain(32)
+                    policy.kept(32)
                     self.now += 32.0
                 ran.append(arm)
             return ran

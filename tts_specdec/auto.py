@@ -203,7 +203,8 @@ class _Run:
 
 class SamplingPolicy:
     """gamma="auto" for one sampling call: each cycle's gamma and draft stops. The loop asks `next(rows)`
-    before every cycle and tells `observe` (a speculative cycle) or `plain` (a run of plain steps) after.
+    before every cycle and tells `observe` (a speculative cycle) or `plain` (a run of plain steps) after,
+    then `kept` (the tokens it kept, which its time is booked against).
 
     The cost model at the acceptance judged so far (a running estimate that starts at PRIOR_ALPHA) gives
     the gamma, or 0 (plain steps, a fused run where the kernels have them) where speculation is not
@@ -229,7 +230,6 @@ class SamplingPolicy:
         self._accepted = self._judged = 0.0  # fading sums over judged drafts
         self._clock = clock or time.perf_counter
         self._run: _Run | None = None
-        self._rows = 0
 
     @property
     def alpha(self) -> float:
@@ -242,7 +242,7 @@ class SamplingPolicy:
         table = self.tables.setdefault(row_class(rows), Arms(EXPLORE_CYCLES))
         gamma = self._choose(self.alpha) if self.pays else 0
         arm = table.pick(self.arms) if gamma else PLAIN
-        self._run, self._rows = _Run(table, arm, now), rows
+        self._run = _Run(table, arm, now)
         if arm == PLAIN:
             return 0, None
         if arm == FIXED:
@@ -253,25 +253,18 @@ class SamplingPolicy:
     def observe(self, accepted: list[int], proposed: list[int]) -> None:
         """A cycle's accepted drafts and proposed drafts per row. A row judges its drafts up to its first
         rejection: accepted + 1 of them, or all when all were accepted."""
-        emitted = sum(a + 1 for a in accepted)
-        self._fade(emitted / len(accepted))
-        self._emitted(emitted)
+        self._fade(sum(a + 1 for a in accepted) / len(accepted))
         self._accepted += sum(accepted)
         self._judged += sum(a + (a < n) for a, n in zip(accepted, proposed))
 
     def plain(self, steps: int) -> None:
         """`steps` plain steps ran: nothing judged, the estimate drifts back toward the prior."""
         self._fade(steps)
-        self._emitted(steps * self._rows)
 
     def kept(self, tokens: int) -> None:
         """The tokens the last cycle or run of plain steps kept, EOS and max_length applied: what its time
-        is booked against. `observe` and `plain` count every row's tokens, also those a row produced past
-        its end, which a run of 32 plain steps does most (a batch's ending rows made plain runs look
-        faster than they were)."""
-        self._emitted(tokens)
-
-    def _emitted(self, tokens: float) -> None:
+        is booked against (not every row's tokens: a run of 32 plain steps makes many past a row's end,
+        and a batch's ending rows made plain runs look faster than they were)."""
         if self._run is not None:
             self._run.tokens = tokens
 

@@ -43,6 +43,9 @@ class CpuKernels(TorchEager):
         ]
         self.stack = kernels.Stack(flat, dec.heads, dec.kv_heads, dec.dim_head)
         self._target_kernel: kernels.Head | None = None  # the target head for `kernels.decode_steps`
+        # the token embeddings `kernels.decode_steps` reads, in the compute dtype once (a bf16 model's table
+        # would otherwise be widened on every call)
+        self._embedding = _c(dec.model.token_emb[dec.target_type].weight)
 
     def run_layers(
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
@@ -117,9 +120,8 @@ class CpuKernels(TorchEager):
         if cache.table is not None:
             raise ValueError("decode steps need a cache by value")
         k_all, v_all = cache.buffers(end)
-        emb = _c(dec.model.token_emb[dec.target_type].weight)
         out = kernels.decode_steps(
-            self.stack, head, emb, x[:, 0], layers, dec.per_row(pos, enc.guided), steps, cfg.temperature, generator,
+            self.stack, head, self._embedding, x[:, 0], layers, dec.per_row(pos, enc.guided), steps, cfg.temperature, generator,
             *dec._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask, top_k=cfg.top_k, top_p=cfg.top_p,
             guidance=cond_scale if enc.guided else 0.0, confidence=confidence, eos=eos, tail=tail, enc_rows=enc.source)
         taken = out[2].shape[1] + int(tail)  # tokens through the layers, per row
