@@ -1,6 +1,8 @@
 """Half-precision models on the CPU: decoding computes in float32 on their weights (`weights.compute_dtype`),
-so a bf16 or fp16 model decodes exactly as its float32 copy holding the same (widened) values, and every
-speculative mode keeps returning its plain mode's result, on every layout (the kernels and torch's path)."""
+so a bf16 or fp16 model decodes exactly as its float32 copy holding the same (widened) values (on the
+kernels a bf16 model's packed products hold its prepared weights in bfloat16: the copy's rounded alike),
+and every speculative mode keeps returning its plain mode's result, on every layout (the kernels and
+torch's path)."""
 
 import pytest
 import torch
@@ -30,10 +32,24 @@ def source():
     return make_source(3, 6, seed=1, lengths=[6, 4, 5])
 
 
+@pytest.fixture
+def rounded_panels(half, layout, monkeypatch):
+    """On the kernels a bfloat16 model's products read bfloat16 panels: its weights as prepared (norms
+    folded in) rounded to bfloat16. Its float32 copy is then compared with every packed weight rounded
+    the same way (a no-op for the bfloat16 panels themselves)."""
+    from tts_specdec.kernels import Packed
+
+    if layout == "kernel" and half["plain"][0].start_token["speech"].dtype == torch.bfloat16:
+        init = Packed.__init__
+        monkeypatch.setattr(Packed, "__init__", lambda self, w_t, width=None, store=torch.float32: init(
+            self, w_t.to(torch.bfloat16).to(w_t.dtype), width, store))
+
+
 @pytest.mark.parametrize("gamma", [0, 3])
-def test_half_model_decodes_as_its_float32_copy(half, source, layout, gamma):
+def test_half_model_decodes_as_its_float32_copy(half, source, layout, gamma, rounded_panels):
     """Greedy, seeded sampling and beam search: the tokens (and on the kernels the scores, bit for bit) of
-    the float32 model holding the half-precision values."""
+    the float32 model holding the half-precision values (on the kernels a bfloat16 model's products read
+    its prepared weights rounded to bfloat16: the copy's are rounded alike, `rounded_panels`)."""
     model, wide = half["plain"]
     dec, ref = SpeculativeDecoder(model), SpeculativeDecoder(wide)
     assert dec.decoder.dtype == torch.float32 and model.start_token["speech"].dtype != torch.float32

@@ -180,6 +180,38 @@ def test_instruction_sets_give_the_same_bits(isa_restored):
         assert all(torch.equal(a, b) for a, b in zip(out["avx2"], out["avx512"])), rows
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bfloat16_panels_sum_as_float32_panels_of_the_rounded_weights(threads, isa_restored):
+    """bfloat16 panels hold each weight rounded to bfloat16 once and widen it exactly in the product: the
+    bits of float32 panels holding the rounded values, on every instruction set and at every row count
+    (so a row's result still does not depend on what shares the call), residuals and row norms included."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(11)
+        for shape in [(200, 208), (512, 64), (96, 144)]:
+            w = torch.randn(shape, generator=g)
+            half, wide = Packed(w, store=torch.bfloat16), Packed(w.to(torch.bfloat16).float())
+            assert half.panels.dtype == torch.bfloat16 and half.panels.shape == wide.panels.shape
+            x, res = torch.randn(33, shape[0], generator=g), torch.randn(33, shape[1], generator=g)
+            bias = torch.randn(shape[1], generator=g)
+            for isa in _isas():
+                kernels.isa(isa)
+                alone = torch.cat([half(x[i : i + 1], bias, res[i : i + 1]) for i in range(33)])
+                for rows in (1, 2, 5, 6, 7, 14, 15, 33):
+                    got = half(x[:rows], bias, res[:rows])
+                    assert torch.equal(got, wide(x[:rows], bias, res[:rows])), (isa, shape, rows)
+                    assert torch.equal(got, alone[:rows]), (isa, shape, rows)
+                    assert torch.equal(half(x[:rows], normalize=True), wide(x[:rows], normalize=True)), (isa, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_panels_are_float32_or_bfloat16(isa_restored):
+    with pytest.raises(ValueError, match="store"):
+        Packed(torch.randn(16, 16), store=torch.float16)
+
+
 def test_auto_isa_gives_the_same_bits_at_every_row_count(isa_restored):
     """"auto" takes tiles of several panels for a few rows and of up to 14 rows for more: a row's
     product must not change with the row count."""

@@ -27,7 +27,7 @@ from . import backends, kernels
 from .backends import Backend
 from .kernels import Packed
 from .masks import additive
-from .weights import _c, _FeedForward, _normed_mm, _packed_or, _split, _t, compute_dtype, rope_tables
+from .weights import _c, _FeedForward, _normed_mm, _packed_or, _split, _store, _t, compute_dtype, rope_tables
 
 
 @dataclass
@@ -88,7 +88,7 @@ class _ExitHead:
 
     @classmethod
     def of(cls, head: torch.nn.Sequential) -> "_ExitHead":
-        ff, w_out_t = _FeedForward.of(head[0].fn), _packed_or(_t(head[2].weight, head[1]))
+        ff, w_out_t = _FeedForward.of(head[0].fn), _packed_or(_t(head[2].weight, head[1]), _store(head[2].weight))
         kernel = None
         if ff.blocks == 0 and isinstance(w_out_t, Packed):
             kernel = kernels.Head([ff.w_in.panels, ff.b_in, ff.w_out.panels, ff.b_out], w_out_t)
@@ -175,7 +175,8 @@ class Decoder:
         b, s = source.shape
         if self._cross_kv is None:  # every layer's to_kv in one product; null K/V (layers, 2, heads, 1, d)
             crosses = [cross for _, cross, _ in self.layers]
-            self._cross_kv = (_packed_or(_t(torch.cat([c.to_kv[0].weight for c in crosses]))),
+            w = torch.cat([c.to_kv[0].weight for c in crosses])
+            self._cross_kv = (_packed_or(_t(w), _store(w)),
                               _c(torch.stack([torch.stack(tuple(c.null_kv)) for c in crosses])))
         w_kv, null_kv = self._cross_kv
         flat = states.reshape(b * s, -1)
@@ -241,14 +242,16 @@ class Decoder:
 
     def _weights(self) -> list[_LayerWeights]:
         if self._prepared is None:
+            store = _store(self.layers[0][0].to_out.weight)
             self._prepared = [
                 _LayerWeights(
                     self._cols(
-                        _t(torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight)), sa.norm), self.heads + 2 * self.kv_heads
+                        _t(torch.cat((sa.to_q[0].weight, sa.to_kv[0].weight)), sa.norm), self.heads + 2 * self.kv_heads,
+                        store,
                     ),
-                    self._cols(_t(sa.to_out.weight)),
-                    self._cols(_t(cross.to_q[0].weight, cross.norm), self.heads),
-                    self._cols(_t(cross.to_out.weight)),
+                    self._cols(_t(sa.to_out.weight), store=store),
+                    self._cols(_t(cross.to_q[0].weight, cross.norm), self.heads, store),
+                    self._cols(_t(cross.to_out.weight), store=store),
                     _FeedForward.of(ff),
                 )
                 for sa, cross, ff in self.layers
@@ -267,11 +270,11 @@ class Decoder:
         w = self._weights()[0]
         return sum(t.numel() for t in (w.qkv, w.attn_out_t, w.cross_q_t, w.cross_out_t, w.ff.w_in, w.ff.w_out))
 
-    def _cols(self, w_t: Tensor, blocks: int | None = None) -> Tensor | Packed:
-        """Packed for the kernel where it runs; else (in, out), or `blocks` column blocks
-        (blocks, in, out / blocks) when splitting pays."""
+    def _cols(self, w_t: Tensor, blocks: int | None = None, store: torch.dtype = torch.float32) -> Tensor | Packed:
+        """Packed for the kernel where it runs (panels in `store`, `weights._store`); else (in, out), or
+        `blocks` column blocks (blocks, in, out / blocks) when splitting pays."""
         if Packed.fits(w_t):
-            return Packed(w_t)
+            return Packed(w_t, store=store)
         split = _split(w_t, blocks or self.heads, dim=1)
         return w_t if split is None else split
 
@@ -347,7 +350,8 @@ class Decoder:
     def _target_weight(self) -> Tensor | Packed:
         if self._target_head is None:
             final_norm = self.model.target_transformer.final_norm
-            self._target_head = _packed_or(_t(self.model.to_logits[self.target_type].weight, final_norm))
+            weight = self.model.to_logits[self.target_type].weight
+            self._target_head = _packed_or(_t(weight, final_norm), _store(weight))
         return self._target_head
 
     def draft_logits(self, h: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kernels import Packed
-from .weights import _c, _FeedForward, _normed_mm, _packed_or, _residual, _t, _unit, rope_tables, rotate
+from .weights import _c, _FeedForward, _normed_mm, _packed_or, _residual, _store, _t, _unit, rope_tables, rotate
 
 
 @dataclass
@@ -35,7 +35,8 @@ class SourceEncoder:
             if cross is not None:
                 raise ValueError("the source transformer has cross-attention layers (spear-tts builds it without)")
             qkv = _t(torch.cat((attn.to_q[0].weight, attn.to_kv[0].weight)), attn.norm)
-            layers.append(_SourceLayer(_packed_or(qkv), _packed_or(_t(attn.to_out.weight)), _FeedForward.of(ff)))
+            store = _store(attn.to_out.weight)
+            layers.append(_SourceLayer(_packed_or(qkv, store), _packed_or(_t(attn.to_out.weight), store), _FeedForward.of(ff)))
         self.layers = layers
         first = transformer.layers[0][0]
         self.heads, self.kv_heads = first.heads, first.kv_heads

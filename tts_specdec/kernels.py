@@ -172,13 +172,17 @@ class Packed:
     `panels` has the shape (out / 16, in, 16) of the panels but that memory order: only the kernel
     reads it."""
 
-    def __init__(self, w_t: Tensor, width: int | None = None) -> None:
+    def __init__(self, w_t: Tensor, width: int | None = None, store: torch.dtype = torch.float32) -> None:
         """width: the columns that matter when w_t was padded with zeros to whole panels; products
-        return a view of that many columns (bias and residual then have the padded width)."""
+        return a view of that many columns (bias and residual then have the padded width).
+        store: the panels' dtype, float32 or bfloat16 (half the bytes to stream; each weight is rounded to
+        bfloat16 once here, and a product widens it to float32 exactly and sums as with float32 panels)."""
         rows, cols = w_t.shape
         if cols % PANEL:
             raise ValueError(f"w_t: output width {cols} is not a multiple of {PANEL}")
-        w = w_t.detach()
+        if store not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"store: float32 or bfloat16, not {store}")
+        w = w_t.detach().to(store)
         groups = [w[:, c : c + GROUP * PANEL].contiguous().view(-1) for c in range(0, cols, GROUP * PANEL)]
         self.panels = torch.cat(groups).view(cols // PANEL, rows, PANEL)
         self.width = cols if width is None else width

@@ -54,12 +54,20 @@ def _t(weight: Tensor, norm: torch.nn.Module | None = None) -> Tensor:
 _SPLIT_MIN_ELEMENTS = 1 << 16
 
 
-def _packed_or(w_t: Tensor) -> Tensor | Packed:
-    """The kernel's packed layout where it runs, else the (in, out) matrix. For the heads: a vocabulary
-    that is not whole panels (e.g. 130) gets zero columns, sliced off the product's result."""
+def _store(weight: Tensor) -> torch.dtype:
+    """The dtype the kernel's panels keep a model weight in: bfloat16 for a bfloat16 model (half the bytes
+    to stream each step; the weight as prepared, its norm folded in, rounded to bfloat16 once, then widened
+    exactly in every product), else float32."""
+    return torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+
+
+def _packed_or(w_t: Tensor, store: torch.dtype = torch.float32) -> Tensor | Packed:
+    """The kernel's packed layout (panels in `store`) where it runs, else the (in, out) matrix. For the
+    heads: a vocabulary that is not whole panels (e.g. 130) gets zero columns, sliced off the product's
+    result."""
     if not kernels.available(w_t.device, w_t.dtype):
         return w_t
-    return Packed(F.pad(w_t, (0, -w_t.shape[1] % PANEL)), width=w_t.shape[1])
+    return Packed(F.pad(w_t, (0, -w_t.shape[1] % PANEL)), width=w_t.shape[1], store=store)
 
 
 def _normed_mm(x: Tensor, w: Tensor | Packed) -> Tensor:
@@ -127,7 +135,8 @@ class _FeedForward:
 
         if Packed.fits(w_out):  # dim in whole panels; padding puts w_in's columns in whole panels too
             w_in_p, b_in_p, w_out_p = padded(PANEL)
-            return cls(Packed(w_in_p), b_in_p, Packed(w_out_p), b_out, 0)
+            return cls(Packed(w_in_p, store=_store(ff[1].weight)), b_in_p, Packed(w_out_p, store=_store(ff[4].weight)),
+                       b_out, 0)
         b = _FF_BLOCKS
         w_in_p, b_in_p, w_out_p = padded(b)
         w_in_blocks = _split(w_in_p, 2 * b, dim=1)

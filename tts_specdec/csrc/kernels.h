@@ -19,6 +19,10 @@ constexpr int64_t kGroup = 4;
 void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels,
           const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy,
           const int64_t* index = nullptr);
+// The same with bfloat16 panels (each weight widened to float32 exactly, then the same sums).
+void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const uint16_t* panels, int64_t n_panels,
+          const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy,
+          const int64_t* index = nullptr);
 
 // The tiles of the products: "avx512" or "avx2" switch (the first an error where the CPU lacks
 // AVX-512), "auto" takes the widest the CPU has, "" keeps them; returns the setting now in use. Both give

@@ -12,6 +12,12 @@
 
 #include "kernels.h"
 
+namespace tts {
+// `gemm` on packed panels of float32 or bfloat16 (small_gemm.cpp)
+void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const torch::Tensor& packed, const float* bias,
+          const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index = nullptr);
+}  // namespace tts
+
 torch::Tensor small_gemm(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                          const c10::optional<torch::Tensor>& residual, bool normalize, bool geglu);
 torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -35,7 +41,8 @@ constexpr int64_t kPerLayer = 8;
 // The panels of a packed (out / 16, in, 16) weight: its input width must be `in`; returns out.
 int64_t packed_out(const torch::Tensor& w, int64_t in, const char* name) {
   TORCH_CHECK(w.dim() == 3 && w.size(1) == in && w.size(2) == tts::kPanel && w.is_contiguous() &&
-              w.scalar_type() == at::kFloat && w.device().is_cpu(), name, ": contiguous float32 CPU (out / 16, ", in, ", 16)");
+              (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && w.device().is_cpu(), name,
+              ": contiguous float32 or bfloat16 CPU (out / 16, ", in, ", 16)");
   return w.size(0) * tts::kPanel;
 }
 
@@ -50,12 +57,12 @@ void check_cache(const torch::Tensor& t, int64_t layers, int64_t rows, int64_t k
 // index (or null): only these `tokens` rows of x and ff (`tts::gemm`).
 void feed_forward(float* x, int64_t tokens, int64_t dim, const torch::Tensor* w, int64_t inner, float* ff,
                   const int64_t* index = nullptr) {
-  tts::gemm(x, dim, tokens, dim, w[0].data_ptr<float>(), w[0].size(0), w[1].data_ptr<float>(), nullptr, 0, true, ff, 2 * inner, index);
+  tts::gemm(x, dim, tokens, dim, w[0], w[1].data_ptr<float>(), nullptr, 0, true, ff, 2 * inner, index);
   for (int64_t i = 0; i < tokens; ++i) {
     float* f = ff + (index ? index[i] : i) * 2 * inner;
     tts::geglu_row(f, f + inner, f, inner);
   }
-  tts::gemm(ff, 2 * inner, tokens, inner, w[2].data_ptr<float>(), w[2].size(0), w[3].data_ptr<float>(), x, dim, false, x, dim, index);
+  tts::gemm(ff, 2 * inner, tokens, inner, w[2], w[3].data_ptr<float>(), x, dim, false, x, dim, index);
 }
 
 // Checks a feed-forward's 4 tensors (w_in, b_in, w_out, b_out) for model width dim; returns inner.
@@ -178,19 +185,19 @@ class Stack {
     for (int64_t i = first; i < last; ++i) {
       const torch::Tensor* w = w_.data() + i * kPerLayer;
       const float* none = nullptr;
-      tts::gemm(xp, dim_, live, dim_, w[0].data_ptr<float>(), w[0].size(0), none, none, 0, true, heads, width, index);
+      tts::gemm(xp, dim_, live, dim_, w[0], none, none, 0, true, heads, width, index);
       const tts::CacheView cache{k_all.data_ptr<float>() + i * k_all.stride(0), v_all.data_ptr<float>() + i * v_all.stride(0),
                                  k_all.stride(1), k_all.stride(2), v_all.stride(1), v_all.stride(2),
                                  tp, table ? table->stride(0) : 0};
       tts::self_attention(heads, cos.data_ptr<float>(), sin.data_ptr<float>(), pp.data(), sp.data(), rows, n, h_, kvh_, d_,
                           cache, mv, keys, q, a);
-      tts::gemm(a, hd, live, hd, w[1].data_ptr<float>(), w[1].size(0), none, xp, dim_, false, xp, dim_, index);
-      tts::gemm(xp, dim_, live, dim_, w[2].data_ptr<float>(), w[2].size(0), none, none, 0, true, q, hd, index);
+      tts::gemm(a, hd, live, hd, w[1], none, xp, dim_, false, xp, dim_, index);
+      tts::gemm(xp, dim_, live, dim_, w[2], none, none, 0, true, q, hd, index);
       const tts::SourceView src{enc_keys.data_ptr<float>() + i * enc_keys.stride(0), enc_values.data_ptr<float>() + i * enc_values.stride(0),
                                 enc_keys.stride(1), enc_keys.stride(2), enc_values.stride(1), enc_values.stride(2), S, cm, cm_row,
                                 row_of};
       tts::cross_attention(q, rows, n, h_, d_, src, a);
-      tts::gemm(a, hd, live, hd, w[3].data_ptr<float>(), w[3].size(0), none, xp, dim_, false, xp, dim_, index);
+      tts::gemm(a, hd, live, hd, w[3], none, xp, dim_, false, xp, dim_, index);
       feed_forward(xp, live, dim_, w + 4, inner_, ff, index);
     }
     return out;
@@ -229,7 +236,7 @@ class Head {
       x = ws.data();
       ldx = dim_;
     }
-    tts::gemm(x, ldx, tokens, dim_, w_.data_ptr<float>(), w_.size(0), nullptr, nullptr, 0, true, logits.data_ptr<float>(), out);
+    tts::gemm(x, ldx, tokens, dim_, w_, nullptr, nullptr, 0, true, logits.data_ptr<float>(), out);
     return width_ == out ? logits : logits.narrow(1, 0, width_);
   }
 

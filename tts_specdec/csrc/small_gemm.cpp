@@ -40,7 +40,9 @@ constexpr int64_t kAheadBytes = 4 * kGroup * kBlock * kPanel * int64_t(sizeof(fl
 
 // One call's operands; prefetches stay below stream_end (the end of this thread's panels).
 struct Job {
-  const float *x, *w, *scale, *bias, *res;
+  const float* x;
+  const void* w;  // float or bfloat16 (uint16_t) panels
+  const float *scale, *bias, *res;
   float* y;
   int64_t ldx, in, ldy, ldr, rows, panels;
   const char* stream_end;
@@ -60,6 +62,11 @@ inline V vset1(float f) { return _mm256_set1_ps(f); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V wload(const float* p) { return vload(p); }
+// bfloat16 is float32's upper half: widened exactly by a shift
+inline V wload(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 // 16 registers: one row takes 4 panels (8 chains), two rows 2 panels, 3-6 rows one panel (12 chains)
 constexpr int64_t kTileRows = 6, kFewRows = 2;
 constexpr int kWidePanels = 1;
@@ -84,6 +91,10 @@ inline V vset1(float f) { return _mm512_set1_ps(f); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V wload(const float* p) { return vload(p); }
+inline V wload(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
 // 32 registers: up to 6 rows take 4 panels at once (24 chains), more rows tiles of up to 14 rows x 2
 // panels (28 accumulators + 2 weight vectors + a broadcast)
 constexpr int64_t kTileRows = 14, kFewRows = 6;
@@ -116,7 +127,8 @@ bool cpu_has_avx512() {
 // order, so both give the same bits (a test compares them) and the choice changes no result.
 bool use_avx512 = cpu_has_avx512() && !(std::getenv("TTS_SPECDEC_ISA") && std::string(std::getenv("TTS_SPECDEC_ISA")) == "avx2");
 
-GroupFn group_fn() { return use_avx512 ? &avx512::run_group : &avx2::run_group; }
+template <typename WT>
+GroupFn group_fn() { return use_avx512 ? &avx512::run_group<WT> : &avx2::run_group<WT>; }
 
 }  // namespace
 
@@ -134,8 +146,9 @@ std::string set_isa(const std::string& name) {
   return use_avx512 ? "avx512" : "avx2";
 }
 
-void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels,
-          const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index) {
+template <typename WT>
+void gemm_of(const float* x, int64_t ldx, int64_t rows, int64_t in, const WT* panels, int64_t n_panels,
+             const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index) {
   if (rows == 0 || n_panels == 0) return;
   constexpr int64_t kStackRows = 64;
   float stack_norms[kStackRows];
@@ -147,8 +160,10 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
     for (int64_t k = 0; k < in; ++k) ss += double(xm[k]) * xm[k];
     inv_norm[m] = float(1.0 / std::max(std::sqrt(ss), 1e-12));
   }
-  const GroupFn run_group = group_fn();
+  const GroupFn run_group = group_fn<WT>();
   const int64_t groups = (n_panels + kGroup - 1) / kGroup;
+  // (bfloat16 panels split as float32 ones do: with the weight counted at half the cost, width 512's
+  // 512-column products of one row stayed on one thread and read at one core's bandwidth)
   const int64_t grain = std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, (rows + kWeightCost) * in * kPanel * kGroup));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     const char* end = reinterpret_cast<const char*>(panels + std::min(n_panels, g1 * kGroup) * in * kPanel);
@@ -161,6 +176,25 @@ void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* pa
   });
 }
 
+void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels, const float* bias,
+          const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index) {
+  gemm_of(x, ldx, rows, in, panels, n_panels, bias, res, ldr, normalize, y, ldy, index);
+}
+
+void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const uint16_t* panels, int64_t n_panels, const float* bias,
+          const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index) {
+  gemm_of(x, ldx, rows, in, panels, n_panels, bias, res, ldr, normalize, y, ldy, index);
+}
+
+void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const torch::Tensor& packed, const float* bias,
+          const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index) {
+  if (packed.scalar_type() == at::kBFloat16)
+    gemm(x, ldx, rows, in, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), packed.size(0), bias, res, ldr,
+         normalize, y, ldy, index);
+  else
+    gemm(x, ldx, rows, in, packed.data_ptr<float>(), packed.size(0), bias, res, ldr, normalize, y, ldy, index);
+}
+
 }  // namespace tts
 
 // x (rows, in) with unit column stride; packed (out / 16, in, 16); bias (out,); residual (rows, out).
@@ -170,8 +204,9 @@ torch::Tensor small_gemm(const torch::Tensor& x_in, const torch::Tensor& packed,
                          const c10::optional<torch::Tensor>& residual, bool normalize, bool geglu) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.stride(1) == 1 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
               "x: float32 CPU (rows, in), unit column stride");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == tts::kPanel && packed.is_contiguous() && packed.scalar_type() == at::kFloat &&
-              packed.size(1) * (geglu ? 2 : 1) == x_in.size(1), "packed: contiguous float32 (out / 16, in, 16) matching x");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == tts::kPanel && packed.is_contiguous() &&
+              (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16) &&
+              packed.size(1) * (geglu ? 2 : 1) == x_in.size(1), "packed: contiguous float32 or bfloat16 (out / 16, in, 16) matching x");
   TORCH_CHECK(!(geglu && normalize), "geglu and normalize do not combine");
   torch::Tensor x = x_in;
   if (geglu) {
@@ -189,7 +224,7 @@ torch::Tensor small_gemm(const torch::Tensor& x_in, const torch::Tensor& packed,
   if (residual) TORCH_CHECK(residual->dim() == 2 && residual->size(0) == rows && residual->size(1) == out &&
                             residual->stride(1) == 1 && residual->scalar_type() == at::kFloat, "residual: float32 (rows, out), unit column stride");
   auto y = torch::empty({rows, out}, x.options());
-  tts::gemm(x.data_ptr<float>(), x.stride(0), rows, in, packed.data_ptr<float>(), panels, bias ? bias->data_ptr<float>() : nullptr,
+  tts::gemm(x.data_ptr<float>(), x.stride(0), rows, in, packed, bias ? bias->data_ptr<float>() : nullptr,
             residual ? residual->data_ptr<float>() : nullptr, residual ? residual->stride(0) : 0, normalize, y.data_ptr<float>(), out,
             nullptr);
   return y;
