@@ -85,6 +85,17 @@ def reference_model(seed: int, device: str, distill_steps: int) -> Setup:
     return Setup(model, [source], [200], f"random-init reference model (dim 256), exit head distilled {distill_steps} steps")
 
 
+def tool_parser(doc: str, sentences: int = 8, reps: int = 3) -> argparse.ArgumentParser:
+    """The options the side-by-side tools share (tools/spec_beam_bound.py, tools/dtype_speed.py): the model
+    (the shipped one widened, 512 wide by default), the held-out sentences, interleaved passes, threads."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--widen", type=int, nargs="+", default=[512, 8], metavar="N", help="DIM HEADS [DEPTH]; 0: shipped size")
+    p.add_argument("--sentences", type=int, default=sentences)
+    p.add_argument("--reps", type=int, default=reps)
+    p.add_argument("--threads", type=int, default=2)
+    return p
+
+
 def default_model(
     device: str, checkpoint: Path | None = None, batch: int = 1, sentences: int = 1, widen: list[int] | None = None
 ) -> Setup:

@@ -9,7 +9,6 @@ products read bfloat16 panels (half the bytes of float32 ones) and sum in float3
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from benchmark import default_model, machine_info  # noqa: E402
+from benchmark import default_model, machine_info, tool_parser  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 
@@ -29,11 +28,7 @@ MODES = {"greedy, gamma=0": dict(temperature=0.0, gamma=0), 'greedy, gamma="auto
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--widen", type=int, nargs="+", default=[512, 8], metavar="N", help="DIM HEADS [DEPTH]; 0: shipped size")
-    p.add_argument("--sentences", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p = tool_parser(__doc__)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -42,13 +37,20 @@ def main() -> None:
     decoders = {name: SpeculativeDecoder(m) for name, m in models.items()}
     inputs = list(zip(setup.sources, setup.max_lengths))
 
-    def run(dec: SpeculativeDecoder, mode: dict) -> tuple[float, list]:
+    gammas: dict[str, list[int]] = {}  # auto's cycles per gamma (0: plain steps), summed over passes
+
+    def run(dec: SpeculativeDecoder, mode: dict, name: str = "") -> tuple[float, list]:
         start, tokens, out = time.perf_counter(), 0, []
         for source, n in inputs:
             kw = dict(mode)
             r = dec.beam_search(source, max_length=n, **kw) if "beam_size" in kw else dec.sample(source, max_length=n, **kw)
             tokens += r.stats.generated_tokens
             out.append([t.tolist() for t in r.tokens])
+            if name and "gamma" not in kw:
+                hist = gammas.setdefault(name, [])
+                hist.extend([0] * (len(r.stats.gamma_hist) - len(hist)))
+                for g, c in enumerate(r.stats.gamma_hist):
+                    hist[g] += c
         return tokens / (time.perf_counter() - start), out
 
     for dec in decoders.values():  # warm-up: kernels, prepared weights, auto's costs
@@ -60,7 +62,7 @@ def main() -> None:
         for name, dec in decoders.items():
             outs = {}
             for label, mode in MODES.items():
-                tps, outs[label] = run(dec, mode)
+                tps, outs[label] = run(dec, mode, name)
                 speed.setdefault((name, label), []).append(tps)
             same[name] = outs['greedy, gamma="auto"'] == outs["greedy, gamma=0"]
     med = {key: statistics.median(v) for key, v in speed.items()}
@@ -71,13 +73,14 @@ def main() -> None:
     for (name, label), tps in med.items():
         print(f"| {name} | {label} | {tps:.1f} | {tps / base:.2f} |")
     print("auto's greedy tokens equal gamma=0's:", same)
+    print("auto's cycles per gamma (0: runs of plain steps):", gammas)
     if not all(same.values()):
         raise SystemExit("greedy decoding under gamma='auto' returned other tokens than gamma=0")
     if args.json:
         out = {"command": " ".join(["tools/dtype_speed.py", *sys.argv[1:]]), "setup": setup.description,
                "machine": machine_info("cpu"), "threads": args.threads, "reps": args.reps,
                "tokens_per_s": {f"{n} / {m}": v for (n, m), v in med.items()},
-               "x_float32_greedy": {f"{n} / {m}": v / base for (n, m), v in med.items()}}
+               "x_float32_greedy": {f"{n} / {m}": v / base for (n, m), v in med.items()}, "auto_gamma_hist": gammas}
         tmp = args.json.with_suffix(args.json.suffix + ".partial")
         tmp.write_text(json.dumps(out, indent=1) + "\n")
         tmp.replace(args.json)

@@ -3,7 +3,7 @@ an n-row product over 40 packed (512, 1536) matrices (126 MB, far beyond the L3 
 1-row one, row counts interleaved within each repetition. What a verify pass over n tokens costs in
 products, next to a plain step (docs/performance.md).
 
-    .venv/bin/python tools/gemm_rows.py [--threads 2] [--isa avx2] [--json benchmarks/gemm_rows.json]
+    .venv/bin/python tools/gemm_rows.py [--threads 2] [--isa avx2] [--store bfloat16] [--json benchmarks/gemm_rows.json]
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--isa", choices=["auto", "avx2", "avx512"], help="tiles to run (default: auto where the CPU has AVX-512)")
+    p.add_argument("--store", choices=["float32", "bfloat16"], default="float32", help="the panels' dtype (a bf16 model's)")
     p.add_argument("--json", type=Path, help="also write the medians here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not kernels.available():
         raise SystemExit(f"the CPU kernels do not run here: {kernels.unavailable_reason()}")
     isa = kernels.isa(args.isa or "")
-    mats = [Packed(torch.randn(512, 1536)) for _ in range(40)]
-    size = sum(m.panels.numel() * 4 for m in mats)
+    mats = [Packed(torch.randn(512, 1536), store=getattr(torch, args.store)) for _ in range(40)]
+    size = sum(m.panels.numel() * m.panels.element_size() for m in mats)
     xs = {rows: torch.randn(rows, 512) for rows in ROWS}
     times: dict[int, list[float]] = {rows: [] for rows in ROWS}
     for rep in range(args.reps + 1):
@@ -46,16 +47,18 @@ def main() -> None:
             if rep:  # the first pass warms up
                 times[rows].append(time.perf_counter() - start)
     median = {rows: statistics.median(t) for rows, t in times.items()}
-    print(f"{isa}, {args.threads} threads, weights {size / 1e6:.0f} MB, median of {args.reps}")
+    m_size = mats[0].panels.element_size()  # bytes per weight
+    print(f"{isa}, {args.store} panels, {args.threads} threads, weights {size / 1e6:.0f} MB, median of {args.reps}")
     for rows in ROWS:
         t = median[rows]
         print(f"rows {rows:2d}: {t * 1e3:6.2f} ms, weights read at {size / t / 1e9:5.1f} GB/s, "
-              f"{2 * rows * size / 4 / t / 1e9:5.1f} GFLOPS, {t / median[1]:.2f}x of one row")
+              f"{2 * rows * size / m_size / t / 1e9:5.1f} GFLOPS, {t / median[1]:.2f}x of one row")
     if args.json:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
         from benchmark import machine_info
 
         out = {"command": " ".join(["tools/gemm_rows.py", *sys.argv[1:]]), "machine": machine_info("cpu"), "isa": isa,
+               "store": args.store,
                "threads": args.threads, "weights_mb": size / 1e6,
                "rows": {str(r): {"ms": median[r] * 1e3, "x_one_row": median[r] / median[1]} for r in ROWS}}
         args.json.write_text(json.dumps(out, indent=1) + "\n")

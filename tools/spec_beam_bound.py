@@ -17,7 +17,6 @@ cheaper passes (fewer rows, fewer trunk passes) or more committed steps (a bette
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from benchmark import default_model, machine_info  # noqa: E402
+from benchmark import default_model, machine_info, tool_parser  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 
@@ -60,11 +59,7 @@ class PassTimer:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--widen", type=int, nargs="+", default=[512, 8], metavar="N", help="DIM HEADS [DEPTH]; 0: shipped size")
-    p.add_argument("--sentences", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p = tool_parser(__doc__)
     p.add_argument("--beam-size", type=int, default=4)
     p.add_argument("--beam-gamma", type=int, default=1)
     p.add_argument("--draft-width", type=int, nargs="+", default=[4, 8])
