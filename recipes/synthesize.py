@@ -180,6 +180,8 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the decoder runs (under torchrun on GPUs: each process its own GPU)")
     parser.add_argument("--threads", type=cli.int_at_least(1), default=2, help="CPU threads per process")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the text-to-semantic model's weights (bfloat16: half the bytes; every mode stays exact)")
     args = parser.parse_args()
 
     if args.text is not None and args.texts is not None:
@@ -207,13 +209,13 @@ def main() -> int:
         torch.set_num_threads(args.threads)  # after accelerate, which sets its own per-process default
         speech = load_default() if args.checkpoint is None else load_speech_model(args.checkpoint)
         device = state.device if state is not None and hasattr(state, "device") else torch.device(args.device)
-        speech.model.to(device)
+        speech.model.to(device, getattr(torch, args.dtype))
         if args.text is not None:
             one(speech, args.text, args.mode, out, args.cond_scale, args.seed, args.max_chars)
             return 0
     if args.texts is not None:
         settings = batch.Settings(args.mode, args.cond_scale, args.seed, args.max_chars,
-                                  "shipped" if args.checkpoint is None else str(args.checkpoint.resolve()))
+                                  "shipped" if args.checkpoint is None else str(args.checkpoint.resolve()), args.dtype)
         return many(speech, args.texts, out, settings, args.batch_size, state)
     demo(speech, out, args.n_eval, args.n_samples, modes, args.cond_scale)
     return 0

@@ -78,6 +78,24 @@ def test_killed_run_resumes_without_redoing_finished_lines(tmp_path, checkpoint)
     assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".wav")) == ["manifest.jsonl"]
 
 
+def test_bfloat16_run_is_recorded_and_redone_in_float32(tmp_path, checkpoint):
+    """--dtype bfloat16 decodes the model converted to bfloat16; its entries say so, so a float32 run over
+    the same folder redoes them (and float32 entries name no dtype: manifests from before the option
+    stay valid)."""
+    texts, out = tmp_path / "texts.txt", tmp_path / "out"
+    texts.write_text("\n".join(SENTENCES[:2]) + "\n")
+    half = subprocess.run(command(checkpoint, texts, out, "--dtype", "bfloat16"), env=env(), capture_output=True,
+                          text=True, timeout=300)
+    assert half.returncode == 0, half.stderr
+    first = manifest(out)
+    assert [e["status"] for e in first] == [OK, OK] and all(e["settings"]["dtype"] == "bfloat16" for e in first)
+    full = subprocess.run(command(checkpoint, texts, out), env=env(), capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr
+    second = manifest(out)
+    assert [e["status"] for e in second] == [OK, OK] and all("dtype" not in e["settings"] for e in second)
+    assert all(a["finished"] < b["finished"] for a, b in zip(first, second))  # redone
+
+
 def test_torchrun_two_processes_write_what_one_process_writes(tmp_path, checkpoint):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:

@@ -12,10 +12,12 @@ Prints every failing case with what is needed to rebuild it. Run it on every pat
     python tools/fuzz_equivalence.py --seed 1 --seconds 300
     TTS_SPECDEC_KERNELS=0 python tools/fuzz_equivalence.py --seed 2 --seconds 300
     python tools/fuzz_equivalence.py --seed 3 --seconds 300 --compile aot_eager
+    python tools/fuzz_equivalence.py --seed 4 --seconds 300 --dtype bfloat16   # also with TTS_SPECDEC_KERNELS=0
 
 --compile B decodes with `SpeculativeDecoder(model, compile=B)` (static compiled steps) and takes the plain
 references (greedy, beam) from the default path, in float64 so that the two paths' arithmetic (~1e-15 apart)
 cannot flip a token; every case compiles its own graphs (seconds each).
+--dtype bfloat16 converts every model with `model.to(torch.bfloat16)` (on the kernels: bfloat16 panels).
 """
 
 from __future__ import annotations
@@ -99,7 +101,10 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--compile", default=None, help="a torch.compile backend (aot_eager, inductor): decode compiled")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the models' dtype (not with --compile)")
     args = p.parse_args()
+    if args.compile and args.dtype != "float32":
+        p.error("--dtype: the compiled path is checked in float64 against the default path")
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
     end, cases, failures = time.time() + args.seconds, 0, 0
@@ -116,7 +121,7 @@ def main() -> int:
                 model = make_model(seed, dtype=torch.float64, **cfg)
                 dec, ref = SpeculativeDecoder(model, compile=args.compile), SpeculativeDecoder(model)
             else:
-                dec = ref = SpeculativeDecoder(make_model(seed, **cfg))
+                dec = ref = SpeculativeDecoder(make_model(seed, **cfg).to(getattr(torch, args.dtype)))
             kind = rng.choice(["greedy", "greedy", "beam", "sample"])
             if kind == "greedy":
                 ok, what = greedy_case(rng, dec, ref, src, lengths, ml, cs)

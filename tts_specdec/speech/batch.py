@@ -36,14 +36,20 @@ class Settings:
     seed: int = 0
     max_chars: int = MAX_PIECE_CHARS
     checkpoint: str = "shipped"
+    dtype: str = "float32"  # the text-to-semantic model's (`synthesize.py --dtype`)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "cond_scale": self.cond_scale, "seed": self.seed,
-                "max_chars": self.max_chars, "checkpoint": self.checkpoint}
+        out = {"mode": self.mode, "cond_scale": self.cond_scale, "seed": self.seed,
+               "max_chars": self.max_chars, "checkpoint": self.checkpoint}
+        if self.dtype != "float32":  # named only when not the default: manifests written before it stay valid
+            out["dtype"] = self.dtype
+        return out
 
 
 @dataclass(frozen=True)
