@@ -2,6 +2,7 @@
 
     python recipes/evaluate.py                                   # shipped model, 50 sentences, all modes
     python recipes/evaluate.py --checkpoint runs/default/latest --modes plain,beam --n 20
+    python recipes/evaluate.py --modes plain,beam --dtype bfloat16 --json bf16.json   # the model in bfloat16
 
 Content-ID accuracy: share of generated utterances whose nearest espeak-ng reference under
 length-normalised DTW on log-mel frames is their own sentence. Duration ratio: generated / reference.
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--cond-scale", type=float, default=DEFAULT_COND_SCALE, help="classifier-free guidance scale")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the text-to-semantic model's weights (model.to(dtype))")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -46,6 +49,7 @@ def main() -> None:
     if references is None:
         sys.exit("espeak-ng is not installed: no references, so no quality figures (apt-get install espeak-ng)")
     speech = load_default() if args.checkpoint is None else load_speech_model(args.checkpoint)
+    speech.model.to(getattr(torch, args.dtype))
     results = [run_mode(speech, texts, m, batch_size=args.batch_size, references=references,
                         cond_scale=args.cond_scale) for m in modes]
     ceiling = vocoder_ceiling(speech, references)
