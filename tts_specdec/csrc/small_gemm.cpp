@@ -1,7 +1,8 @@
 // y = x @ W (+ bias) (+ residual) for the many-row products of decoding (float32, CPU).
 //
-// W (in, out) is packed once as out/16 panels of (in, 16) floats, in groups of kGroup panels stored
-// term-major (`kernels.Packed`). A call walks a thread's groups; within a group, slab after slab of
+// W (in, out) is packed once as out/16 panels of (in, 16) floats (or bfloat16s: half the bytes to stream,
+// each widened exactly to float32 as it is loaded, then summed as floats are), in groups of kGroup panels
+// stored term-major (`kernels.Packed`). A call walks a thread's groups; within a group, slab after slab of
 // kBlock terms: the slab's weights (kGroup x kBlock x 16 floats, 8 KB, one run of memory) come from
 // memory once and stay in L1 while every tile of rows passes over them, so the weights stream once per
 // call for any number of rows, and the arithmetic of the row tiles overlaps the stream (prefetched
@@ -162,8 +163,8 @@ void gemm_of(const float* x, int64_t ldx, int64_t rows, int64_t in, const WT* pa
   }
   const GroupFn run_group = group_fn<WT>();
   const int64_t groups = (n_panels + kGroup - 1) / kGroup;
-  // (bfloat16 panels split as float32 ones do: with the weight counted at half the cost, width 512's
-  // 512-column products of one row stayed on one thread and read at one core's bandwidth)
+  // a bfloat16 weight counts as a float32 one: at half the cost, width 512's 512-column one-row products
+  // stayed on one thread, reading at one core's bandwidth
   const int64_t grain = std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, (rows + kWeightCost) * in * kPanel * kGroup));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     const char* end = reinterpret_cast<const char*>(panels + std::min(n_panels, g1 * kGroup) * in * kPanel);
