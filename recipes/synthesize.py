@@ -19,6 +19,8 @@ needed for the quality figures of the demo (they are skipped with a message with
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import os
 import sys
 import time
@@ -72,6 +74,9 @@ def many(speech: SpeechModel, texts_file: Path, out_dir: Path, settings: batch.S
     return 1 if report.failed else 0
 
 
+BF16 = "plain-bf16"  # the demo's row of greedy decoding with the model converted to bfloat16
+
+
 def demo(speech: SpeechModel, out_dir: Path, n_eval: int, n_samples: int, modes: list[str],
          cond_scale: float) -> None:
     """The main job: every mode on held-out sentences; wavs, a spectrogram figure and a report."""
@@ -83,10 +88,14 @@ def demo(speech: SpeechModel, out_dir: Path, n_eval: int, n_samples: int, modes:
         texts = texts[:n_samples]
     started = time.time()
     results = {}
-    for mode in modes:
-        results[mode] = run_mode(speech, texts, mode, references=references, cond_scale=cond_scale)
-        r = results[mode]
-        print(f"{mode:>9}: {r.tokens_per_second:6.0f} tokens/s, RTF {r.real_time_factor:.3f}, "
+    runs = [(mode, mode, speech) for mode in modes]
+    if "plain" in modes:  # greedy decoding again with the model in bfloat16 (half the bytes on the kernels)
+        half = dataclasses.replace(speech, model=copy.deepcopy(speech.model).to(torch.bfloat16))
+        runs.append((BF16, "plain", half))
+    for name, mode, model in runs:
+        results[name] = r = run_mode(model, texts, mode, references=references, cond_scale=cond_scale)
+        r.mode = name
+        print(f"{name:>10}: {r.tokens_per_second:6.0f} tokens/s, RTF {r.real_time_factor:.3f}, "
               f"{r.tokens_per_target_pass:.2f} tokens per target pass"
               + ("" if r.quality is None else f", content-ID {r.quality.content_id_accuracy:.0%}, "
                  f"duration ok {r.quality.duration_pass_rate:.0%}"))
@@ -110,6 +119,9 @@ def demo(speech: SpeechModel, out_dir: Path, n_eval: int, n_samples: int, modes:
         if fast in units and slow in units:
             same = all(torch.equal(a, b) for a, b in zip(units[fast], units[slow]))
             identical[fast] = f"`{slow}`: {'yes' if same else 'NO'}"
+    if BF16 in units and "plain" in units:  # bfloat16 weights are other weights: a share, not a check
+        same = sum(torch.equal(a, b) for a, b in zip(units["plain"], units[BF16]))
+        identical[BF16] = f"`plain`: {same} of {len(units['plain'])}"
     write_readme(out_dir, speech, list(results.values()), ceiling, identical, texts, ids, n_samples,
                  time.time() - started, cond_scale)
     print(f"wrote {out_dir}/ in {time.time() - started:.0f} s")
@@ -130,7 +142,9 @@ def write_readme(out_dir: Path, speech: SpeechModel, results, ceiling, identical
         "Modes: " + "; ".join(f"`{name}` = {mode.describe()}" for name, mode in MODES.items()) + ". "
         "Greedy is used for the sampling modes so that `plain` and "
         "`spec` can be compared unit for unit; with temperature > 0 speculative sampling keeps the "
-        "target's distribution but not the same draws. Classifier-free guidance scale "
+        "target's distribution but not the same draws. `plain-bf16` is `plain` with the model converted "
+        "by `model.to(torch.bfloat16)` (other weights, so other units in some sentences; on the CPU "
+        "kernels its weights stream at half the bytes). Classifier-free guidance scale "
         f"(`cond_scale`) {cond_scale:g} in every mode.",
         "",
         markdown_table(results, ceiling, identical),
