@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <string>
 
+namespace at {
+class Tensor;
+}  // namespace at
+
 namespace tts {
 
 constexpr int64_t kPanel = 16;  // output columns per packed weight panel
@@ -13,16 +17,12 @@ constexpr int64_t kPanel = 16;  // output columns per packed weight panel
 constexpr int64_t kGroup = 4;
 
 // y = (x / ||x|| per row if normalize) @ W + bias + res for x (rows, in) with row stride ldx, W packed
-// as (panels, in, 16). res may be y itself (an in-place residual add); x must not overlap y. index (or
-// null): the call's i-th row is row index[i] of x, y and res (the real tokens among padded ones); the
-// other rows of y are not written.
-void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels,
-          const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy,
-          const int64_t* index = nullptr);
-// The same with bfloat16 panels (each weight widened to float32 exactly, then the same sums).
-void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const uint16_t* panels, int64_t n_panels,
-          const float* bias, const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy,
-          const int64_t* index = nullptr);
+// as (panels, in, 16), float32 or bfloat16 (each weight widened to float32 exactly, then the same sums);
+// the caller has checked its shape. res may be y itself (an in-place residual add); x must not overlap
+// y. index (or null): the call's i-th row is row index[i] of x, y and res (the real tokens among padded
+// ones); the other rows of y are not written.
+void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const at::Tensor& packed, const float* bias,
+          const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index = nullptr);
 
 // The tiles of the products: "avx512" or "avx2" switch (the first an error where the CPU lacks
 // AVX-512), "auto" takes the widest the CPU has, "" keeps them; returns the setting now in use. Both give

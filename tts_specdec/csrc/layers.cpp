@@ -12,12 +12,6 @@
 
 #include "kernels.h"
 
-namespace tts {
-// `gemm` on packed panels of float32 or bfloat16 (small_gemm.cpp)
-void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const torch::Tensor& packed, const float* bias,
-          const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index = nullptr);
-}  // namespace tts
-
 torch::Tensor small_gemm(const torch::Tensor& x_in, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                          const c10::optional<torch::Tensor>& residual, bool normalize, bool geglu);
 torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& cos, const torch::Tensor& sin,

@@ -177,23 +177,13 @@ void gemm_of(const float* x, int64_t ldx, int64_t rows, int64_t in, const WT* pa
   });
 }
 
-void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const float* panels, int64_t n_panels, const float* bias,
-          const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index) {
-  gemm_of(x, ldx, rows, in, panels, n_panels, bias, res, ldr, normalize, y, ldy, index);
-}
-
-void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const uint16_t* panels, int64_t n_panels, const float* bias,
-          const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index) {
-  gemm_of(x, ldx, rows, in, panels, n_panels, bias, res, ldr, normalize, y, ldy, index);
-}
-
 void gemm(const float* x, int64_t ldx, int64_t rows, int64_t in, const torch::Tensor& packed, const float* bias,
           const float* res, int64_t ldr, bool normalize, float* y, int64_t ldy, const int64_t* index) {
   if (packed.scalar_type() == at::kBFloat16)
-    gemm(x, ldx, rows, in, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), packed.size(0), bias, res, ldr,
-         normalize, y, ldy, index);
+    gemm_of(x, ldx, rows, in, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), packed.size(0), bias, res,
+            ldr, normalize, y, ldy, index);
   else
-    gemm(x, ldx, rows, in, packed.data_ptr<float>(), packed.size(0), bias, res, ldr, normalize, y, ldy, index);
+    gemm_of(x, ldx, rows, in, packed.data_ptr<float>(), packed.size(0), bias, res, ldr, normalize, y, ldy, index);
 }
 
 }  // namespace tts
