@@ -18,7 +18,7 @@ from tts_specdec import DecodeStats, SpeculativeDecoder, auto, measure, patch
 from tts_specdec.sampling import SamplingConfig
 from tts_specdec.auto import (
     DRAFT_CONFIDENCE, EXPLORE_CALLS, EXPLORE_CYCLES, FIXED, HALF_LIFE, MARGIN, MAX_GAMMA, PLAIN, REVISIT,
-    SPECULATIVE, STOPS, Arms, BeamCosts, BeamPolicy, CostModel, SamplingPolicy, beam_speedups, choose_gamma,
+    SHORT, SPECULATIVE, STOPS, Arms, BeamCosts, BeamPolicy, CostModel, SamplingPolicy, beam_speedups, choose_gamma,
     expected_tokens, row_class, stops_pay,
 )
 
@@ -82,7 +82,7 @@ def costs(monkeypatch):
     return install
 
 
-def favouring(fastest: str, arms=(STOPS, FIXED, PLAIN)) -> dict[int, Arms]:
+def favouring(fastest: str, arms=(STOPS, FIXED, SHORT, PLAIN)) -> dict[int, Arms]:
     """Timed arms of every row class, explored, with `fastest` at 1 s per token and the others at 2 s, over
     so many tokens that a test's own runs cannot move the estimates: a policy given them runs `fastest`
     whenever it may choose (and never gets due for a revisit)."""
@@ -201,18 +201,18 @@ def test_policy_decodes_plainly_where_speculation_cannot_pay():
 
 def test_policy_follows_acceptance_and_tries_again_after_plain_runs():
     policy = SamplingPolicy(STEEP, favouring(STOPS), clock=still)
-    gamma, confidence = policy.next(2)
+    gamma, confidence = policy.next(1)
     assert confidence == DRAFT_CONFIDENCE  # the prior speculates, with stops (STEEP) as far as alpha 1 pays
     assert gamma == choose_gamma(STEEP.c, STEEP.v, 1.0, MAX_GAMMA) > choose_gamma(STEEP.c, STEEP.v, 0.8, MAX_GAMMA)
     for _ in range(3):  # every draft rejected
-        policy.observe([0, 0], [gamma, gamma])
-    assert policy.alpha < 0.5 and policy.next(2) == (0, None)  # the cost model: plain, whatever the arms
+        policy.observe([0], [gamma])
+    assert policy.alpha < 0.5 and policy.next(1) == (0, None)  # the cost model: plain, whatever the arms
     policy.plain(4 * int(HALF_LIFE))  # nothing judged for a while: the prior returns
-    assert policy.next(2)[0] > 0
+    assert policy.next(1)[0] > 0
     for _ in range(20):  # every draft accepted
-        g = policy.next(2)[0]
-        policy.observe([g, g], [g, g])
-    assert policy.alpha > 0.95 and policy.next(2)[0] >= gamma
+        g = policy.next(1)[0]
+        policy.observe([g], [g])
+    assert policy.alpha > 0.95 and policy.next(1)[0] >= gamma
 
 
 def test_policy_without_stops_drafts_what_the_acceptance_pays_for():
@@ -251,7 +251,8 @@ class Script:
         ran = []
         for r in rows:
             gamma, confidence = policy.next(r)
-            arm = PLAIN if not gamma else STOPS if confidence is not None else FIXED
+            arm = (PLAIN if not gamma else STOPS if confidence is not None else
+                   SHORT if gamma < choose_gamma(policy.costs.c, policy.costs.v, policy.alpha, MAX_GAMMA) else FIXED)
             if gamma:
                 n = self.emitted()
                 policy.observe([n - 1] * r, [gamma] * r)
@@ -294,18 +295,20 @@ def test_policy_times_its_arms_and_keeps_the_fastest(fastest):
 def test_policy_decodes_plainly_where_plain_steps_win_at_that_row_count():
     """Plain steps 1.3x faster per token than speculation with two rows running (a batch's verify passes
     carry twice the tokens), speculation 1.5x faster with one: a call whose rows drop from 2 to 1 decodes
-    each part with its own fastest arm, timed in its own table."""
+    each part with its own fastest arm, timed in its own table. With two rows on the CPU half the model's
+    gamma is one more arm (`arms_at`)."""
     class ByRows(Script):
         def cost(self, arm, rows):
             return (1.0 if arm == PLAIN else 1.3) if rows == 2 else (1.5 if arm == PLAIN else 1.0)
 
     script, tables = ByRows({}), {}
     ran = script.run(SamplingPolicy(STEEP, tables, clock=script.clock), [2] * 600 + [1] * 600)
-    two, one = ran[3 * EXPLORE_CYCLES:600], ran[600 + 3 * EXPLORE_CYCLES:]
+    two, one = ran[4 * EXPLORE_CYCLES:600], ran[600 + 3 * EXPLORE_CYCLES:]
     assert share(two, PLAIN) >= 1 - 2 * 1.5 / REVISIT
     assert share(one, PLAIN) <= 1.5 / REVISIT
     assert sorted(tables) == [1, 2]
-    assert tables[2].rate(PLAIN)[0] < min(tables[2].rate(FIXED)[0], tables[2].rate(STOPS)[0])
+    assert set(tables[2].sums) == {PLAIN, FIXED, SHORT, STOPS} and set(tables[1].sums) == {PLAIN, FIXED, STOPS}
+    assert tables[2].rate(PLAIN)[0] < min(tables[2].rate(arm)[0] for arm in (FIXED, SHORT, STOPS))
     assert tables[1].rate(PLAIN)[0] > max(tables[1].rate(FIXED)[0], tables[1].rate(STOPS)[0])
 
 
@@ -338,6 +341,36 @@ def test_policy_tells_the_faster_arm_through_noisy_cycles(faster):
     ran = script.run(SamplingPolicy(STEEP, {}, clock=script.clock), range(600))
     assert ran[:3 * EXPLORE_CYCLES].count(PLAIN) == EXPLORE_CYCLES  # each tried first
     assert ran[300:].count(faster) >= 0.8 * 300
+
+
+@pytest.mark.parametrize("fastest", [FIXED, SHORT])
+def test_policy_with_several_rows_times_half_the_gamma(fastest):
+    """Several rows on the CPU: half the model's gamma is one more arm beside it, stops and plain steps (a
+    verify pass over rows x (gamma + 1) tokens turns compute-bound, which the one-row cost model does not
+    see); the fastest decodes almost all the time. One row: no half gamma (`arms_at`)."""
+    policy = SamplingPolicy(STEEP, {}, clock=still)
+    gamma = choose_gamma(STEEP.c, STEEP.v, auto.PRIOR_ALPHA, MAX_GAMMA)
+    assert gamma >= 2 and policy.arms_at(4, gamma) == (STOPS, FIXED, SHORT, PLAIN)
+    assert policy.arms_at(4, 1) == policy.arms_at(1, gamma) == (STOPS, FIXED, PLAIN)
+    assert SamplingPolicy(CHEAP, {}).arms_at(4, gamma) == (FIXED, PLAIN)  # a GPU: no stops, no half gamma
+    assert SamplingPolicy(STEEP, {}, confidence=0.7).arms_at(4, gamma) == (STOPS, PLAIN)  # the caller's stops
+    script = Script({arm: 1.0 if arm == fastest else 1.5 for arm in (PLAIN, FIXED, SHORT, STOPS)})
+    ran = script.run(SamplingPolicy(STEEP, {}, clock=script.clock), [4] * 800)
+    assert {a for a, _ in ran[:4 * EXPLORE_CYCLES]} == {STOPS, FIXED, SHORT, PLAIN}
+    assert share(ran[4 * EXPLORE_CYCLES:], fastest) >= 1 - 3 * 1.5 / REVISIT
+
+
+def test_a_slower_arm_of_long_runs_gets_little_time():
+    """Draws are per second, not per run: plain steps 10% slower per token than a fixed gamma whose cycles
+    emit a random 1..7 tokens (so its estimate has a spread and draws fall above plain's now and then);
+    a plain run lasts 32 steps, many cycles, so drawn as often as a cycle it would take a large share of
+    the time. It is revisited, and otherwise takes a few percent."""
+    rng = random.Random(1)
+    script = Script({PLAIN: 1.1, FIXED: 1.0, STOPS: 1.5}, emitted=lambda: rng.randint(1, 7))
+    ran = script.run(SamplingPolicy(STEEP, {}, clock=script.clock), [1] * 3000)
+    later = ran[3 * EXPLORE_CYCLES:]
+    assert any(a == PLAIN for a, _ in later)
+    assert share(later, PLAIN) <= 0.06
 
 
 # ---- the cost model: measured once per state, no side effects ----------------------------------

@@ -5,9 +5,9 @@ The cost model (`CostModel`, measured once per decoder state by `measure.measure
 decode at batch 1) seeds the choice: `choose_gamma` picks the gamma with the most expected tokens per
 unit of time at the acceptance seen so far, and 0 (plain decoding) unless speculation is predicted to win
 by MARGIN. The model knows batch 1 and its own formula only, so the runs correct it: plain decoding,
-drafting that gamma and drafting with stops are arms (`Arms`) timed in seconds per emitted token on the
-decoder's own runs, per row count and kept across calls; the fastest decodes almost all the time and the
-others are revisited rarely. Beam search chooses per call between plain and speculative beam search the
+drafting that gamma, drafting with stops and (several rows on the CPU) half that gamma are arms (`Arms`)
+timed in seconds per emitted token on the decoder's own runs, per row count and kept across calls; the
+fastest decodes almost all the time and the others are revisited rarely. Beam search chooses per call between plain and speculative beam search the
 same way (`BeamPolicy`), seeded by timed short searches (`BeamCosts`).
 Every cycle, and every call, is exact on its own: no choice changes greedy tokens, beam search's result
 or the law of sampled tokens. This module asks nothing of the loops; they ask the policies and tell them
@@ -41,8 +41,9 @@ HALF_LIFE = 32.0
 # the drafts that follow an unsure one, mostly rejected; since unsure drafts end a row's run, a row may
 # draft as far as a draft that is always right would pay for. Whether they beat a fixed gamma depends on
 # more than the cost model knows (on the CPU they won at batch 1 and lost at batch 4, where ragged drafts
-# pad a compute-bound verify), so on the CPU they are one more timed arm. On torch's path on a GPU the rule
-# needs a host copy per draft step and lost to a fixed gamma (docs/performance.md): not an arm there.
+# pad a compute-bound verify), so on the CPU they are one more timed arm.
+# On torch's path on a GPU the rule needs a host copy per draft step and lost to a fixed gamma
+# (docs/performance.md): not an arm there.
 DRAFT_CONFIDENCE = 0.9
 
 # ---- the timed arms (`Arms`) ----
@@ -70,7 +71,7 @@ PLAUSIBLE = 0.8
 BEAM_PRIOR_STEPS = (1.5, 1.9)
 BEAM_PRIOR_WEIGHT = 4.0  # the prior counts as this many cycles
 
-PLAIN, FIXED, STOPS, SPECULATIVE = "plain", "fixed", "stops", "speculative"  # the arms
+PLAIN, FIXED, SHORT, STOPS, SPECULATIVE = "plain", "fixed", "short", "stops", "speculative"  # the arms
 
 
 @dataclass(frozen=True)
@@ -182,16 +183,27 @@ class Arms:
         ran = [arm for arm in arms if arm in self.sums]
         if not ran:
             return arms[0]
-        typical = sum(self.sums[a][1] / self.sums[a][0] for a in ran) / len(ran)  # seconds of a run
+        typical = sum(self._seconds(a) for a in ran) / len(ran)  # seconds of a run
         for arm in arms:
-            own = self.sums[arm][1] / self.sums[arm][0] if arm in self.sums else typical
+            own = self._seconds(arm) if arm in self.sums else typical
             if self.seconds - self._last.get(arm, 0.0) >= REVISIT * own:
                 return arm
         draws = {}
         for arm in ran:
             rate, var = self.rate(arm)
             draws[arm] = self._draw.gauss(rate, math.sqrt(var))
-        return min(ran, key=draws.__getitem__)
+        drawn = min(ran, key=draws.__getitem__)
+        # draws are per second, not per run: an arm drawn over the one of the best estimate runs with the
+        # odds of their run lengths (a fused run of 32 plain steps lasts many speculative cycles; drawn as
+        # often as a cycle, a slower plain arm took a third of the time at width 512, batch 4)
+        best = min(ran, key=lambda arm: self.rate(arm)[0])
+        if drawn != best and self._draw.random() * self._seconds(drawn) > self._seconds(best):
+            return best
+        return drawn
+
+    def _seconds(self, arm: str) -> float:
+        """The arm's mean seconds per run."""
+        return self.sums[arm][1] / self.sums[arm][0]
 
 
 class _Run:
@@ -210,7 +222,8 @@ class SamplingPolicy:
     the gamma, or 0 (plain steps, a fused run where the kernels have them) where speculation is not
     predicted to win. Where it is, the arms decide, timed on the decoder's runs for the row class
     (`tables`, kept across calls): plain steps, the model's gamma, or (`stops_pay`) draft stops up to the
-    gamma a draft that is always right would pay for. The caller's `confidence` replaces both drafting arms.
+    gamma a draft that is always right would pay for, and with several rows half the model's gamma
+    (`arms_at`). The caller's `confidence` replaces the drafting arms.
     Stops read only the draft's own distribution, so no arm changes what is sampled; but the arm a cycle
     takes follows the clock, so seeded sampling under auto is not reproduced token for token."""
 
@@ -241,14 +254,26 @@ class SamplingPolicy:
         self._book(now)
         table = self.tables.setdefault(row_class(rows), Arms(EXPLORE_CYCLES))
         gamma = self._choose(self.alpha) if self.pays else 0
-        arm = table.pick(self.arms) if gamma else PLAIN
+        arms = self.arms_at(rows, gamma)
+        arm = table.pick(arms) if gamma else PLAIN
         self._run = _Run(table, arm, now)
         if arm == PLAIN:
             return 0, None
         if arm == FIXED:
             return gamma, None
+        if arm == SHORT:
+            return gamma // 2, None
         self.used_confidence = self.stops
         return self.sure_gamma, self.stops
+
+    def arms_at(self, rows: int, gamma: int) -> tuple[str, ...]:
+        """The arms for a cycle of `rows` running rows whose cost model gives `gamma`: with several rows on
+        the CPU also half that gamma (SHORT). A verify pass carries rows x (gamma + 1) tokens, and past ~12
+        the CPU's products turn compute-bound (tools/gemm_rows.py), which the cost model, measured at one
+        row, does not see: its gamma overshoots at batch 4 and 8 (docs/performance.md)."""
+        if rows > 1 and gamma >= 2 and self.arms[:2] == (STOPS, FIXED):
+            return self.arms[:2] + (SHORT,) + self.arms[2:]
+        return self.arms
 
     def observe(self, accepted: list[int], proposed: list[int]) -> None:
         """A cycle's accepted drafts and proposed drafts per row. A row judges its drafts up to its first
