@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from tts_specdec.decoder import Decoder
+from tts_specdec.decoder import Decoder, _ExitHead
 from tts_specdec.kernels import Packed
 from tts_specdec.sampling import cfg_mix
 
@@ -183,11 +183,39 @@ def test_draft_logits_equal_early_exit_head_on_forward_hidden(dtype, layout):
         dec, enc, cache, x = setup(model, source, target)
         h_exit = run_chunks(dec, enc, cache, x, [1, 4, 5], layers=range(dec.exit_layer))
         draft = dec.draft_logits(h_exit)
+        # on the kernels the draft reads bfloat16 panels (`Decoder._draft_head`); the head's products with
+        # float32 panels are the exact ones
+        exact = _ExitHead.of(model.to_early_exit_semantic_logits, torch.float32)(h_exit)
         # the target continues from the exit states without re-running layers 1..E
         target_logits = dec.target_logits(dec.run(h_exit, 0, range(dec.exit_layer, dec.depth), enc, cache))
-    assert rel_err(draft, ref) < TOL[dtype]
+    assert rel_err(exact, ref) < TOL[dtype]
+    assert rel_err(draft, ref) < (1e-2 if layout == "kernel" and dtype == torch.float32 else TOL[dtype])
     assert rel_err(target_logits, forward_logits(model, source, target)) < TOL[dtype]
     assert dec.layer_evals == [2 * (T + 1)] * dec.depth
+
+
+def test_draft_head_reads_its_weights_rounded_to_bfloat16_on_the_kernels(monkeypatch):
+    """The kernels' draft head: bfloat16 panels of the prepared weights (norms folded in), widened exactly;
+    bit for bit the head with float32 panels of those weights rounded to bfloat16. The target head keeps
+    float32 panels."""
+    import tts_specdec.kernels as kernels
+
+    monkeypatch.setattr(kernels, "ENABLED", True)
+    model = make_model(2, target_depth=5, exit_layer=3, std=0.3)
+    dec = Decoder(model)
+    dec.begin()
+    h = torch.randn(6, model.start_token["speech"].shape[-1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        draft = dec.draft_logits(h)
+        assert dec._draft_head().w_out_t.panels.dtype == torch.bfloat16
+        assert dec._draft_head().ff.w_in.panels.dtype == torch.bfloat16
+        assert dec._target_weight().panels.dtype == torch.float32
+        init = Packed.__init__
+        monkeypatch.setattr(Packed, "__init__", lambda self, w_t, width=None, store=torch.float32: init(
+            self, w_t.to(torch.bfloat16).to(w_t.dtype), width, store))
+        rounded = _ExitHead.of(model.to_early_exit_semantic_logits, torch.float32)
+        assert rounded.w_out_t.panels.dtype == torch.float32
+        assert torch.equal(draft, rounded(h))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

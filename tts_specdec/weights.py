@@ -121,7 +121,8 @@ class _FeedForward:
     blocks: int  # 1: plain products, 0: the kernel
 
     @classmethod
-    def of(cls, ff: torch.nn.Sequential) -> "_FeedForward":
+    def of(cls, ff: torch.nn.Sequential, store: torch.dtype | None = None) -> "_FeedForward":
+        """`store`: the kernel panels' dtype (None: `_store` of the weights)."""
         w_in, b_in = _t(ff[1].weight, ff[0]), _c(ff[1].bias)
         w_out, b_out = _t(ff[4].weight), _c(ff[4].bias)
 
@@ -135,8 +136,8 @@ class _FeedForward:
 
         if Packed.fits(w_out):  # dim in whole panels; padding puts w_in's columns in whole panels too
             w_in_p, b_in_p, w_out_p = padded(PANEL)
-            return cls(Packed(w_in_p, store=_store(ff[1].weight)), b_in_p, Packed(w_out_p, store=_store(ff[4].weight)),
-                       b_out, 0)
+            return cls(Packed(w_in_p, store=store or _store(ff[1].weight)), b_in_p,
+                       Packed(w_out_p, store=store or _store(ff[4].weight)), b_out, 0)
         b = _FF_BLOCKS
         w_in_p, b_in_p, w_out_p = padded(b)
         w_in_blocks = _split(w_in_p, 2 * b, dim=1)
