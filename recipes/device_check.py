@@ -10,10 +10,12 @@ decoder runs on another device (CUDA), on held-out sentences:
 
 It also reports how often the device's greedy tokens equal the CPU's (not required: float sums are
 ordered differently on each device, so near-ties may break differently) and the sampled acceptance
-rate. Exit status 1 when a speculative mode differs from its plain mode.
+rate. `--dtype` repeats the checks with the model converted to each dtype (`model.to(dtype)`) and
+reports them per dtype. Exit status 1 when a speculative mode differs from its plain mode in any.
 
     python recipes/device_check.py --device cuda --sentences 20
     python recipes/device_check.py --device cuda --sentences 8 --compile    # the compiled static path
+    python recipes/device_check.py --device cuda --sentences 8 --dtype float32 bfloat16
 """
 
 from __future__ import annotations
@@ -46,13 +48,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beam-size", type=cli.int_in(1, MAX_BEAM_SIZE), default=4)
     p.add_argument("--compile", nargs="?", const=True, default=False, metavar="BACKEND",
                    help="check the compiled static path (SpeculativeDecoder(compile=...); CUDA graphs on a GPU)")
+    p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float32"],
+                   help="the model's dtype(s): each is checked and reported on its own (default float32)")
     args = p.parse_args(argv)
     if args.sentences < 1 or args.batch < 1:
         raise ValueError("--sentences and --batch must be >= 1")
 
-    model = load_speech_model().model.to(args.device).eval()
-    dec = SpeculativeDecoder(model, compile=args.compile)
     texts = heldout_sentences(args.sentences)
+    failed = {}
+    for name in args.dtype:
+        model = load_speech_model().model.to(args.device, DTYPES[name]).eval()
+        print(f"--- model in {name}")
+        failed[name] = check_model(model, texts, args)
+    for name, failures in failed.items():
+        print(f"{name}: " + (f"FAILED ({len(failures)}):" if failures else "all speculative modes equal their plain modes"),
+              *failures, sep="\n  ")
+    return 1 if any(failed.values()) else 0
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_model(model: torch.nn.Module, texts: list[str], args: argparse.Namespace) -> list[str]:
+    """Every equivalence on `model` (on args.device): the names of those that do not hold."""
+    dec = SpeculativeDecoder(model, compile=args.compile)
     sources = [model.tokenizer_encode([t]).to(args.device) for t in texts]
     failures: list[str] = []
 
@@ -105,11 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sampling gamma=4: alpha {stats.alpha:.3f}, {stats.tokens_per_target_pass:.2f} tokens per target pass, "
           f"accepted histogram {stats.accepted_hist}")
 
-    if failures:
-        print(f"FAILED ({len(failures)}):", *failures, sep="\n  ")
-        return 1
-    print("all speculative modes equal their plain modes")
-    return 0
+    return failures
 
 
 if __name__ == "__main__":
