@@ -212,7 +212,8 @@ void for_each_row_head(int64_t rows, int64_t h, int64_t flops_per_head, int64_t 
 
 void self_attention(const float* heads, const float* cos, const float* sin, const int64_t* pos,
                     const int64_t* slots, int64_t rows, int64_t n, int64_t h, int64_t kvh, int64_t d,
-                    const CacheView& cache, const MaskView& mask, int64_t keys, float* q_rot, float* out) {
+                    const CacheView& cache, const MaskView& mask, int64_t keys, float* q_rot, float* out,
+                    const uint8_t* live) {
   const int64_t width = (h + 2 * kvh) * d;
   // rotate q into q_rot, write rotated k and v into the cache (all before any query reads the cache)
   for (int64_t tok = 0; tok < rows * n; ++tok) {
@@ -235,6 +236,7 @@ void self_attention(const float* heads, const float* cos, const float* sin, cons
     const Tabled VT{v_head, d, cache.v_row, KT.table};
     for (int64_t i = 0; i < n; ++i) {
       const int64_t tok = r * n + i;
+      if (live && !live[tok]) continue;
       const float* m = mask.p ? mask.p + (mask.rows == 1 ? 0 : r * mask.row_stride) + i * mask.query_stride : nullptr;
       const int64_t seen = mask.p ? keys : slots[tok] + 1;
       const float* qi = q_rot + tok * h * d + j * d;
@@ -247,7 +249,8 @@ void self_attention(const float* heads, const float* cos, const float* sin, cons
   });
 }
 
-void cross_attention(const float* q, int64_t rows, int64_t n, int64_t h, int64_t d, const SourceView& src, float* out) {
+void cross_attention(const float* q, int64_t rows, int64_t n, int64_t h, int64_t d, const SourceView& src, float* out,
+                     const uint8_t* live) {
   const float scale = 1.0f / std::sqrt(float(d));
   for_each_row_head(rows, h, n * src.len * d * 4, src.len, [&](int64_t r, int64_t j, float* buf) {
     const int64_t e = src.row_of ? src.row_of[r] : r;
@@ -255,6 +258,7 @@ void cross_attention(const float* q, int64_t rows, int64_t n, int64_t h, int64_t
     const float* m = src.mask ? src.mask + r * src.mask_row : nullptr;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t tok = r * n + i;
+      if (live && !live[tok]) continue;
       attend(q + tok * h * d + j * d, K, V, src.len, d, m, scale, out + tok * h * d + j * d, buf);
     }
   });

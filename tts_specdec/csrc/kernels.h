@@ -49,9 +49,12 @@ struct MaskView {
 };
 
 // heads (rows * n, (h + 2 kvh) d); pos, slots (rows * n) per token; q_rot, out (rows * n, h d).
+// live (rows * n) or null (all): the queries whose outputs matter; the others (padding of tree rows)
+// still write their k and v, but attend to nothing and leave out untouched.
 void self_attention(const float* heads, const float* cos, const float* sin, const int64_t* pos,
                     const int64_t* slots, int64_t rows, int64_t n, int64_t h, int64_t kvh, int64_t d,
-                    const CacheView& cache, const MaskView& mask, int64_t keys, float* q_rot, float* out);
+                    const CacheView& cache, const MaskView& mask, int64_t keys, float* q_rot, float* out,
+                    const uint8_t* live = nullptr);
 
 // Precomputed source K/V of one layer, (sources, h, len, d) with these strides; row r reads source
 // row_of[r] (beams of one item share it), or source r without row_of; mask (rows, len) or null.
@@ -63,7 +66,8 @@ struct SourceView {
   const int64_t* row_of = nullptr;
 };
 
-// q, out (rows * n, h d)
-void cross_attention(const float* q, int64_t rows, int64_t n, int64_t h, int64_t d, const SourceView& src, float* out);
+// q, out (rows * n, h d); live as for self_attention
+void cross_attention(const float* q, int64_t rows, int64_t n, int64_t h, int64_t d, const SourceView& src, float* out,
+                     const uint8_t* live = nullptr);
 
 }  // namespace tts

@@ -157,13 +157,19 @@ class Stack {
 
     const int64_t* index = nullptr;  // the real tokens, or null: all
     int64_t live = tokens;
+    std::vector<uint8_t> is_real;  // per token, for attention (which runs on every token's slot)
     if (real) {
       TORCH_CHECK(real->dim() == 1 && real->is_contiguous() && real->scalar_type() == at::kLong, "real: contiguous int64 (tokens,)");
       index = real->data_ptr<int64_t>();
       live = real->size(0);
       for (int64_t i = 0; i < live; ++i)
         TORCH_CHECK((i ? index[i - 1] < index[i] : 0 <= index[i]) && index[i] < tokens, "real: increasing token indices below rows * n");
+      is_real.assign(tokens, 0);
+      for (int64_t i = 0; i < live; ++i) is_real[index[i]] = 1;
     }
+    // a padding token attends to nothing: its attention output stays zero (the workspace is zeroed and
+    // never written there), as its products' outputs do
+    const uint8_t* attending = index ? is_real.data() : nullptr;
 
     const int64_t hd = h_ * d_, width = (h_ + 2 * kvh_) * d_;
     // the residual stream, updated in place layer by layer (padding tokens: zero throughout)
@@ -184,13 +190,13 @@ class Stack {
                                  k_all.stride(1), k_all.stride(2), v_all.stride(1), v_all.stride(2),
                                  tp, table ? table->stride(0) : 0};
       tts::self_attention(heads, cos.data_ptr<float>(), sin.data_ptr<float>(), pp.data(), sp.data(), rows, n, h_, kvh_, d_,
-                          cache, mv, keys, q, a);
+                          cache, mv, keys, q, a, attending);
       tts::gemm(a, hd, live, hd, w[1], none, xp, dim_, false, xp, dim_, index);
       tts::gemm(xp, dim_, live, dim_, w[2], none, none, 0, true, q, hd, index);
       const tts::SourceView src{enc_keys.data_ptr<float>() + i * enc_keys.stride(0), enc_values.data_ptr<float>() + i * enc_values.stride(0),
                                 enc_keys.stride(1), enc_keys.stride(2), enc_values.stride(1), enc_values.stride(2), S, cm, cm_row,
                                 row_of};
-      tts::cross_attention(q, rows, n, h_, d_, src, a);
+      tts::cross_attention(q, rows, n, h_, d_, src, a, attending);
       tts::gemm(a, hd, live, hd, w[3], none, xp, dim_, false, xp, dim_, index);
       feed_forward(xp, live, dim_, w + 4, inner_, ff, index);
     }
