@@ -8,6 +8,7 @@ checked.
 """
 
 import ast
+import math
 import random
 from pathlib import Path
 
@@ -235,7 +236,8 @@ def test_policy_without_stops_drafts_what_the_acceptance_pays_for():
 
 class Script:
     """A sampling loop against a scripted clock: each arm costs `per_token[arm]` seconds per token (every
-    row's); a speculative cycle emits `emitted()` tokens per row, a plain run 32 steps."""
+    row's); a speculative cycle emits `emitted()` tokens per row, a plain run the steps the policy allows
+    (`plain_steps`, else 32)."""
 
     def __init__(self, per_token: dict[str, float], emitted=lambda: 4) -> None:
         self.now, self.per_token, self.emitted = 0.0, per_token, emitted
@@ -258,8 +260,9 @@ class Script:
                 policy.observe([n - 1] * r, [gamma] * r)
                 tokens = n * r
             else:
-                policy.plain(32)
-                tokens = 32 * r
+                steps = min(policy.plain_steps or 32, 32)
+                policy.plain(steps)
+                tokens = steps * r
             policy.kept(tokens)
             seconds = self.cost(arm, r) * tokens
             self.now += seconds
@@ -358,6 +361,48 @@ def test_policy_with_several_rows_times_half_the_gamma(fastest):
     ran = script.run(SamplingPolicy(STEEP, {}, clock=script.clock), [4] * 800)
     assert {a for a, _ in ran[:4 * EXPLORE_CYCLES]} == {STOPS, FIXED, SHORT, PLAIN}
     assert share(ran[4 * EXPLORE_CYCLES:], fastest) >= 1 - 3 * 1.5 / REVISIT
+
+
+def plain_caps(costs: CostModel, fastest: str, cycles: int = 400) -> list[int | None]:
+    """`plain_steps` of every run of plain steps a policy on `costs` takes, on a scripted clock where
+    `fastest` costs 1 s per token and the other arms 1.5 s."""
+    script = Script({arm: 1.0 if arm == fastest else 1.5 for arm in (PLAIN, FIXED, STOPS)})
+    policy = SamplingPolicy(costs, {}, clock=script.clock)
+    caps = []
+    for _ in range(cycles):
+        gamma, confidence = policy.next(1)
+        if not gamma:
+            caps.append(policy.plain_steps)
+            steps = min(policy.plain_steps or 32, 32)
+            policy.plain(steps)
+            policy.kept(steps)
+            script.now += script.per_token[PLAIN] * steps
+        else:
+            policy.observe([gamma], [gamma])
+            policy.kept(gamma + 1)
+            script.now += script.per_token[FIXED if confidence is None else STOPS] * (gamma + 1)
+    return caps
+
+
+@pytest.mark.parametrize("fastest", [PLAIN, FIXED])
+def test_runs_of_plain_steps_are_short_while_another_arm_leads(fastest):
+    """While another arm has the best estimate (or none has one yet: exploring) a run of plain steps lasts
+    about EXPLORE_SECONDS of plain steps (at least EXPLORE_STEPS), not a fused run's 32 steps; where plain
+    steps lead, and where the cost model decodes plainly throughout, runs are not capped. On a model whose
+    steps are fast the cap is above 32 steps: no cap (a loop iteration's fixed cost would bias the timing)."""
+    slow = CostModel(0.01, STEEP.c, STEEP.v)  # 10 ms a plain step: 5 steps make EXPLORE_SECONDS
+    cap = auto.EXPLORE_STEPS
+    assert math.ceil(auto.EXPLORE_SECONDS / slow.t_step) < cap
+    caps = plain_caps(slow, fastest)
+    assert caps[0] == cap  # its first run: the drafting arms' estimates lead
+    assert len(caps) > EXPLORE_CYCLES  # explored, then run or revisited
+    if fastest == PLAIN:
+        assert all(c is None for c in caps[1:])  # from its first run on plain steps lead: fused runs
+    else:
+        assert all(c == cap for c in caps)
+    assert all(c is None or c >= 32 for c in plain_caps(STEEP, fastest))  # 1 ms a step: 50 steps, no cap
+    plain = SamplingPolicy(COMPUTE_BOUND, {})
+    assert plain.next(1) == (0, None) and plain.plain_steps is None
 
 
 def test_a_slower_arm_of_long_runs_gets_little_time():
@@ -772,6 +817,8 @@ def test_policies_import_no_loop():
 class _Scripted:
     """A `speculative.Policy` that alternates runs of plain steps and gamma-2 cycles and records what the
     loop tells it."""
+
+    plain_steps = None  # a plain run takes the loop's PLAIN_STEPS
 
     def __init__(self) -> None:
         self.calls, self.kept_tokens = 0, []

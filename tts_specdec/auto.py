@@ -53,6 +53,14 @@ DRAFT_CONFIDENCE = 0.9
 # EXPLORE_CALLS calls each (two: the least that gives a spread).
 EXPLORE_CYCLES = 4
 EXPLORE_CALLS = 2
+# a run of plain steps while another arm has the best estimate (exploring, revisiting, a lucky draw) lasts
+# about EXPLORE_SECONDS (at least EXPLORE_STEPS steps), not a fused run's 32 steps: at width 512, batch 4,
+# four 32-step runs per row class took about half as long as a whole 16-sentence benchmark pass. Shorter
+# runs would time plain decoding unfairly: a loop iteration's fixed cost (under a millisecond) must stay a
+# small part of a run, and on the shipped model, whose steps take ~0.5 ms, 8-step runs made plain decoding
+# look slower than it is and auto speculated at 0.6-0.9x of plain.
+EXPLORE_SECONDS = 0.05
+EXPLORE_STEPS = 8
 # after that the arm with the lowest seconds per token drawn from its estimate and standard error runs
 # (Thompson sampling: a slower arm runs about as often as it might still be the faster), and an arm that
 # has not run while the others ran REVISIT times its own run's seconds runs once whatever the draws: a
@@ -192,14 +200,18 @@ class Arms:
         for arm in ran:
             rate, var = self.rate(arm)
             draws[arm] = self._draw.gauss(rate, math.sqrt(var))
-        drawn = min(ran, key=draws.__getitem__)
+        drawn, best = min(ran, key=draws.__getitem__), self.best(ran)
         # draws are per second, not per run: an arm drawn over the one of the best estimate runs with the
         # odds of their run lengths (a fused run of 32 plain steps lasts many speculative cycles; drawn as
         # often as a cycle, a slower plain arm took a third of the time at width 512, batch 4)
-        best = min(ran, key=lambda arm: self.rate(arm)[0])
         if drawn != best and self._draw.random() * self._seconds(drawn) > self._seconds(best):
             return best
         return drawn
+
+    def best(self, arms: Sequence[str]) -> str | None:
+        """The arm of `arms` with the lowest estimated seconds per token; None before any ran."""
+        ran = [arm for arm in arms if arm in self.sums]
+        return min(ran, key=lambda arm: self.rate(arm)[0]) if ran else None
 
     def _seconds(self, arm: str) -> float:
         """The arm's mean seconds per run."""
@@ -243,6 +255,8 @@ class SamplingPolicy:
         self._accepted = self._judged = 0.0  # fading sums over judged drafts
         self._clock = clock or time.perf_counter
         self._run: _Run | None = None
+        # the most plain steps the run `next` chose may take (None: as many as the loop fuses)
+        self.plain_steps: int | None = None
 
     @property
     def alpha(self) -> float:
@@ -257,7 +271,10 @@ class SamplingPolicy:
         arms = self.arms_at(rows, gamma)
         arm = table.pick(arms) if gamma else PLAIN
         self._run = _Run(table, arm, now)
+        self.plain_steps = None
         if arm == PLAIN:
+            if gamma and table.best(arms) != PLAIN:
+                self.plain_steps = max(EXPLORE_STEPS, math.ceil(EXPLORE_SECONDS / self.costs.t_step))
             return 0, None
         if arm == FIXED:
             return gamma, None

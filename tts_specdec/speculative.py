@@ -52,6 +52,8 @@ class Policy(Protocol):
     def kept(self, tokens: int) -> None:
         """The tokens the last cycle or run kept, EOS and max_length applied."""
 
+    plain_steps: int | None  # after `next` gave gamma 0: the most steps of that run (None or more: PLAIN_STEPS)
+
 
 @dataclass(frozen=True)
 class _Guidance:
@@ -124,7 +126,8 @@ def sample_loop(
         g, confidence = auto.next(len(rows.index)) if auto is not None else (gamma, draft_confidence)
         upper = range(dec.exit_layer if g else 0, dec.depth)  # the verify pass's layers
         # plain sampling runs PLAIN_STEPS steps per kernel call (rows advance together: same length)
-        steps = g or min(PLAIN_STEPS, max_length - len(out[rows.index[0]]))
+        most = PLAIN_STEPS if auto is None or auto.plain_steps is None else min(PLAIN_STEPS, auto.plain_steps)
+        steps = g or min(most, max_length - len(out[rows.index[0]]))
         cache.grow(max(rows.pos) + steps + 2)
         pos_t = rows.pos_t
         t0 = clock.mark()
