@@ -7,8 +7,9 @@ unit of time at the acceptance seen so far, and 0 (plain decoding) unless specul
 by MARGIN. The model knows batch 1 and its own formula only, so the runs correct it: plain decoding,
 drafting that gamma, drafting with stops and (several rows on the CPU) half that gamma are arms (`Arms`)
 timed in seconds per emitted token on the decoder's own runs, per row count and kept across calls; the
-fastest decodes almost all the time and the others are revisited rarely. Beam search chooses per call between plain and speculative beam search the
-same way (`BeamPolicy`), seeded by timed short searches (`BeamCosts`).
+fastest decodes almost all the time and the others are revisited rarely. Beam search chooses per call
+between plain and speculative beam search the same way (`BeamPolicy`), seeded by timed short searches
+(`BeamCosts`).
 Every cycle, and every call, is exact on its own: no choice changes greedy tokens, beam search's result
 or the law of sampled tokens. This module asks nothing of the loops; they ask the policies and tell them
 what happened.
@@ -41,9 +42,8 @@ HALF_LIFE = 32.0
 # the drafts that follow an unsure one, mostly rejected; since unsure drafts end a row's run, a row may
 # draft as far as a draft that is always right would pay for. Whether they beat a fixed gamma depends on
 # more than the cost model knows (on the CPU they won at batch 1 and lost at batch 4, where ragged drafts
-# pad a compute-bound verify), so on the CPU they are one more timed arm.
-# On torch's path on a GPU the rule needs a host copy per draft step and lost to a fixed gamma
-# (docs/performance.md): not an arm there.
+# pad a compute-bound verify), so on the CPU they are one more timed arm. On torch's path on a GPU the rule
+# needs a host copy per draft step and lost to a fixed gamma (docs/performance.md): not an arm there.
 DRAFT_CONFIDENCE = 0.9
 
 # ---- the timed arms (`Arms`) ----
@@ -53,14 +53,6 @@ DRAFT_CONFIDENCE = 0.9
 # EXPLORE_CALLS calls each (two: the least that gives a spread).
 EXPLORE_CYCLES = 4
 EXPLORE_CALLS = 2
-# a run of plain steps while another arm has the best estimate (exploring, revisiting, a lucky draw) lasts
-# about EXPLORE_SECONDS (at least EXPLORE_STEPS steps), not a fused run's 32 steps: at width 512, batch 4,
-# four 32-step runs per row class took about half as long as a whole 16-sentence benchmark pass. Shorter
-# runs would time plain decoding unfairly: a loop iteration's fixed cost (under a millisecond) must stay a
-# small part of a run, and on the shipped model, whose steps take ~0.5 ms, 8-step runs made plain decoding
-# look slower than it is and auto speculated at 0.6-0.9x of plain.
-EXPLORE_SECONDS = 0.05
-EXPLORE_STEPS = 8
 # after that the arm with the lowest seconds per token drawn from its estimate and standard error runs
 # (Thompson sampling: a slower arm runs about as often as it might still be the faster), and an arm that
 # has not run while the others ran REVISIT times its own run's seconds runs once whatever the draws: a
@@ -70,6 +62,14 @@ REVISIT = 64
 # an arm's sums fade by TIME_KEEP per run of it: they follow a slow drift but rest on up to
 # 1 / (1 - TIME_KEEP) runs
 TIME_KEEP = 0.99
+# a run of plain steps while another arm has the best estimate (exploring, revisiting, a lucky draw) lasts
+# about EXPLORE_SECONDS (at least EXPLORE_STEPS steps), not a fused run's 32 steps: at width 512, batch 4,
+# four 32-step runs per row class took about half as long as a whole 16-sentence benchmark pass. Shorter
+# runs would time plain decoding unfairly: a loop iteration's fixed cost (under a millisecond) must stay a
+# small part of a run, and on the shipped model, whose steps take ~0.5 ms, 8-step runs made plain decoding
+# look slower than it is and auto speculated at 0.6-0.9x of plain.
+EXPLORE_SECONDS = 0.05
+EXPLORE_STEPS = 8
 # beam search: an arm whose predicted speed is below PLAUSIBLE of the fastest prediction is not explored,
 # only revisited (a call of a speculative beam search predicted at 0.4x of plain would cost 2.5 calls)
 PLAUSIBLE = 0.8
