@@ -44,6 +44,7 @@ from tts_specdec.results import DecodeStats  # noqa: E402
 from tts_specdec.distill import distill_exit_head  # noqa: E402
 from tts_specdec.inputs import MAX_BEAM_SIZE, MAX_FIXED_GAMMA  # noqa: E402
 from tts_specdec.speech import cli  # noqa: E402
+from tts_specdec.speech.atomic import atomic_file  # noqa: E402
 
 
 @dataclass
@@ -353,6 +354,12 @@ def leviathan_bound(alpha: float, gamma: int, c: float, v: float = 1.0) -> float
     return tokens / (gamma * c + v)
 
 
+def write_json(path: Path, result: dict, indent: int = 1) -> None:
+    """`result` as JSON at `path`, written atomically (a reader never sees half a file)."""
+    with atomic_file(path, "w", encoding="utf-8") as file:
+        file.write(json.dumps(result, indent=indent) + "\n")
+
+
 def machine_info(device: str) -> dict:
     cpu = platform.processor() or ""
     try:
@@ -558,7 +565,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["torch_compile"] = {k: dict(counters[k]) for k in ("stats", "recompiles", "graph_break")}
         print_table(result)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(args.json, result, indent=2)
         print(f"\nwrote {args.json}")
     return result
 

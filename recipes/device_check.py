@@ -21,6 +21,7 @@ reports them per dtype. Exit status 1 when a speculative mode differs from its p
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -55,11 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--sentences and --batch must be >= 1")
 
     texts = heldout_sentences(args.sentences)
+    base = load_speech_model().model.eval()  # float32 on the CPU: read once, copied per dtype
+    cpu_greedy = None
+    if args.device != "cpu":  # the CPU's greedy tokens, which the device's are compared with (informational)
+        cpu_dec = SpeculativeDecoder(base)
+        cpu_greedy = [tokens(cpu_dec.sample(src, temperature=0.0, max_length=default_max_length(src)))[0]
+                      for src in (base.tokenizer_encode([t]) for t in texts)]
     failed = {}
     for name in args.dtype:
-        model = load_speech_model().model.to(args.device, DTYPES[name]).eval()
         print(f"--- model in {name}")
-        failed[name] = check_model(model, texts, args)
+        failed[name] = check_model(copy.deepcopy(base).to(args.device, DTYPES[name]), texts, args, cpu_greedy)
     for name, failures in failed.items():
         print(f"{name}: " + (f"FAILED ({len(failures)}):" if failures else "all speculative modes equal their plain modes"),
               *failures, sep="\n  ")
@@ -69,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_model(model: torch.nn.Module, texts: list[str], args: argparse.Namespace) -> list[str]:
-    """Every equivalence on `model` (on args.device): the names of those that do not hold."""
+def check_model(model: torch.nn.Module, texts: list[str], args: argparse.Namespace,
+                cpu_greedy: list[list[int]] | None) -> list[str]:
+    """Every equivalence on `model` (on args.device): the names of those that do not hold. `cpu_greedy`
+    (or None): the CPU's greedy tokens per sentence, which the device's are compared with (informational)."""
     dec = SpeculativeDecoder(model, compile=args.compile)
     sources = [model.tokenizer_encode([t]).to(args.device) for t in texts]
     failures: list[str] = []
@@ -111,11 +119,8 @@ def check_model(model: torch.nn.Module, texts: list[str], args: argparse.Namespa
                   tokens(dec.sample(src, temperature=0.0, gamma=g, max_length=n)), alone)
     print(f"{args.device}: batches of {args.batch} (greedy gamma 0 and 4) checked against each row alone")
 
-    if args.device != "cpu":  # informational: the device's float sums are ordered differently
-        cpu_model = load_speech_model().model.eval()
-        cpu_dec = SpeculativeDecoder(cpu_model)
-        same = sum(tokens(cpu_dec.sample(src.cpu(), temperature=0.0, max_length=default_max_length(src)))[0] == g
-                   for src, g in zip(sources, greedy))
+    if cpu_greedy is not None:  # informational: the device's float sums are ordered differently
+        same = sum(c == g for c, g in zip(cpu_greedy, greedy))
         print(f"greedy tokens equal to the CPU's on {same}/{len(sources)} sentences (not required)")
 
     gen = torch.Generator(device=args.device).manual_seed(0)

@@ -9,7 +9,6 @@ output of greedy decoding and beam search is the same (checked here), sampling k
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from benchmark import default_model, machine_info, tool_parser  # noqa: E402
+from benchmark import default_model, machine_info, tool_parser, write_json  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 from tts_specdec.decoder import _ExitHead  # noqa: E402
@@ -82,9 +81,7 @@ def main() -> None:
     if args.json:
         out = {"setup": setup.description, "machine": machine_info("cpu"), "threads": args.threads, "reps": args.reps,
                "rows": rows, "raw": {f"{m} / {s}": v for (m, s), v in speed.items()}}
-        tmp = args.json.with_suffix(args.json.suffix + ".partial")
-        tmp.write_text(json.dumps(out, indent=1))
-        tmp.replace(args.json)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ products read bfloat16 panels (half the bytes of float32 ones) and sum in float3
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from benchmark import default_model, machine_info, tool_parser  # noqa: E402
+from benchmark import default_model, machine_info, tool_parser, write_json  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 
@@ -81,9 +80,7 @@ def main() -> None:
                "machine": machine_info("cpu"), "threads": args.threads, "reps": args.reps,
                "tokens_per_s": {f"{n} / {m}": v for (n, m), v in med.items()},
                "x_float32_greedy": {f"{n} / {m}": v / base for (n, m), v in med.items()}, "auto_gamma_hist": gammas}
-        tmp = args.json.with_suffix(args.json.suffix + ".partial")
-        tmp.write_text(json.dumps(out, indent=1) + "\n")
-        tmp.replace(args.json)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ cheaper passes (fewer rows, fewer trunk passes) or more committed steps (a bette
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-from benchmark import default_model, machine_info, tool_parser  # noqa: E402
+from benchmark import default_model, machine_info, tool_parser, write_json  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 
@@ -127,9 +126,7 @@ def main() -> None:
         out = {"setup": setup.description, "machine": machine_info("cpu"), "threads": args.threads, "reps": args.reps, "beam_size": k,
                "beam_step_ms": beam_step * 1e3, "beam_layer_ms_per_step": plain["layer_s"] / plain["steps"] * 1e3,
                "rows": rows, "raw": {f"gamma={g},W={w}": r for (g, w), r in results.items()}}
-        tmp = args.json.with_suffix(args.json.suffix + ".partial")
-        tmp.write_text(json.dumps(out, indent=1))
-        tmp.replace(args.json)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":
