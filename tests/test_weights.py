@@ -23,6 +23,24 @@ def test_rotate_equals_the_rotary_module(dtype):
     assert rel_err(ours, rot.rotate_queries_or_keys(t)) < (1e-6 if dtype == torch.float32 else 1e-12)
 
 
+def test_rope_tables_of_a_half_precision_module_skip_its_cache():
+    """A float32 model that decoded (its rotary module caching float32 positions) and was then converted
+    with `.to(torch.bfloat16)` (the cache rounded with it) gets the tables of a model converted before any
+    decode, at every size: otherwise tables shorter than the cache came from rounded values and longer
+    ones did not, and speculative beam search (a longer table) differed from beam search. The module's
+    cache is not touched. (A float32 module's cache is read, as the model's own forward reads it.)"""
+    used, fresh = RotaryEmbedding(16), RotaryEmbedding(16)
+    used(torch.arange(64.0), seq_len=64)  # the model's own forward filled its cache
+    used.to(torch.bfloat16), fresh.to(torch.bfloat16)
+    cached = used.cached_freqs.clone()
+    for capacity in (16, 64, 128):
+        for a, b in zip(rope_tables(used, capacity, torch.float32, torch.device("cpu")),
+                        rope_tables(fresh, capacity, torch.float32, torch.device("cpu"))):
+            assert torch.equal(a, b)
+    assert torch.equal(used.cached_freqs, cached) and used.cached_freqs_seq_len == 64
+    assert fresh.cached_freqs_seq_len == 0  # nothing written
+
+
 def test_folded_norm_equals_norm_then_linear():
     g = torch.Generator().manual_seed(1)
     norm, lin = _spear.RMSNorm(8).double(), torch.nn.Linear(8, 5, bias=False).double()

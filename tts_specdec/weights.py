@@ -162,12 +162,16 @@ class _FeedForward:
 def rope_tables(rotary: torch.nn.Module, capacity: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
     """(cos, sin) (capacity, d) for `rotate`, from the model's own rotary module, so positions match
     it bit for bit; rotate_half's sign is folded into sin."""
+    pos = torch.arange(capacity, device=device, dtype=dtype)
     if any(b.dtype in (torch.bfloat16, torch.float16) and b.dtype != dtype for b in rotary.buffers()):
         # a half-precision model's module: its copy in the compute dtype (`compute_dtype`; the module
-        # itself would compute positions in half precision, where 257 rounds to 256)
-        rotary = copy.deepcopy(rotary).to(dtype)
-    pos = torch.arange(capacity, device=device, dtype=dtype)
-    freqs = rotary(pos, seq_len=capacity)
+        # itself would compute positions in half precision, where 257 rounds to 256), called without
+        # seq_len so that it skips its position cache: filled in float32 before a `.to(torch.bfloat16)`
+        # rounded it, the cache would give tables shorter than it rounded values and longer ones exact
+        # values, so that a verify pass's longer table could disagree with a plain step's
+        freqs = copy.deepcopy(rotary).to(dtype)(pos)
+    else:  # the module as the model's own forward calls it (its cache included)
+        freqs = rotary(pos, seq_len=capacity)
     sign = torch.tensor([-1.0, 1.0], dtype=freqs.dtype, device=freqs.device).repeat(freqs.shape[-1] // 2)
     return freqs.cos(), freqs.sin() * sign
 
