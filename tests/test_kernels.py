@@ -140,8 +140,9 @@ def isa_restored():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_row_result_independent_of_batch(threads, isa_restored):
     """A row's product is the same to the bit whatever rows share the call, on every instruction set:
-    few rows take several panels per tile, more rows tiles of up to 6 (AVX2) or 14 (AVX-512) rows, many
-    rows several tiles, all in the same summation order (speculative == plain relies on it)."""
+    few rows take several panels per tile, more rows one tile of up to 6 (AVX2) or 14 (AVX-512) rows, many
+    rows several tiles (AVX-512: of up to 7 rows x 4 panels), all in the same summation order (speculative
+    == plain relies on it)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
