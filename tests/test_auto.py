@@ -19,7 +19,7 @@ from tts_specdec import DecodeStats, SpeculativeDecoder, auto, measure, patch
 from tts_specdec.sampling import SamplingConfig
 from tts_specdec.auto import (
     DRAFT_CONFIDENCE, EXPLORE_CALLS, EXPLORE_CYCLES, FIXED, HALF_LIFE, MARGIN, MAX_GAMMA, PLAIN, REVISIT,
-    SHORT, SPECULATIVE, STOPS, Arms, BeamCosts, BeamPolicy, CostModel, SamplingPolicy, beam_speedups, choose_gamma,
+    SHORT, SPECULATIVE, STOPS, THIRD, Arms, BeamCosts, BeamPolicy, CostModel, SamplingPolicy, beam_speedups, choose_gamma,
     expected_tokens, row_class, stops_pay,
 )
 
@@ -83,7 +83,7 @@ def costs(monkeypatch):
     return install
 
 
-def favouring(fastest: str, arms=(STOPS, FIXED, SHORT, PLAIN)) -> dict[int, Arms]:
+def favouring(fastest: str, arms=(STOPS, FIXED, SHORT, THIRD, PLAIN)) -> dict[int, Arms]:
     """Timed arms of every row class, explored, with `fastest` at 1 s per token and the others at 2 s, over
     so many tokens that a test's own runs cannot move the estimates: a policy given them runs `fastest`
     whenever it may choose (and never gets due for a revisit)."""
@@ -253,8 +253,9 @@ class Script:
         ran = []
         for r in rows:
             gamma, confidence = policy.next(r)
+            model = choose_gamma(policy.costs.c, policy.costs.v, policy.alpha, MAX_GAMMA)
             arm = (PLAIN if not gamma else STOPS if confidence is not None else
-                   SHORT if gamma < choose_gamma(policy.costs.c, policy.costs.v, policy.alpha, MAX_GAMMA) else FIXED)
+                   FIXED if gamma == model else SHORT if gamma == model // 2 else THIRD)
             if gamma:
                 n = self.emitted()
                 policy.observe([n - 1] * r, [gamma] * r)
@@ -357,10 +358,32 @@ def test_policy_with_several_rows_times_half_the_gamma(fastest):
     assert policy.arms_at(4, 1) == policy.arms_at(1, gamma) == (STOPS, FIXED, PLAIN)
     assert SamplingPolicy(CHEAP, {}).arms_at(4, gamma) == (FIXED, PLAIN)  # a GPU: no stops, no half gamma
     assert SamplingPolicy(STEEP, {}, confidence=0.7).arms_at(4, gamma) == (STOPS, PLAIN)  # the caller's stops
-    script = Script({arm: 1.0 if arm == fastest else 1.5 for arm in (PLAIN, FIXED, SHORT, STOPS)})
+    script = Script({arm: 1.0 if arm == fastest else 1.5 for arm in (PLAIN, FIXED, SHORT, THIRD, STOPS)})
     ran = script.run(SamplingPolicy(STEEP, {}, clock=script.clock), [4] * 800)
     assert {a for a, _ in ran[:4 * EXPLORE_CYCLES]} == {STOPS, FIXED, SHORT, PLAIN}
     assert share(ran[4 * EXPLORE_CYCLES:], fastest) >= 1 - 3 * 1.5 / REVISIT
+
+
+@pytest.mark.parametrize("fastest", [FIXED, SHORT, THIRD])
+def test_policy_with_several_rows_times_a_third_of_a_long_gamma(fastest):
+    """Where the model's gamma is long (cheap verify passes at one row), several rows also time a third of
+    it, which runs gamma // 3 drafts; the fastest of the five arms decodes almost all the time. A third
+    that is no shorter than the half is no arm of its own."""
+    flat = costs_of(0.05, lambda n: 1.0 + 0.05 * (n - 1))
+    policy = SamplingPolicy(flat, {}, clock=still)
+    gamma = choose_gamma(flat.c, flat.v, auto.PRIOR_ALPHA, MAX_GAMMA)
+    assert gamma >= 6 and policy.arms_at(8, gamma) == (STOPS, FIXED, SHORT, THIRD, PLAIN)
+    assert policy.arms_at(8, 3) == (STOPS, FIXED, SHORT, PLAIN)  # a third of 3 drafts is half of it
+    assert policy.arms_at(8, 4) == (STOPS, FIXED, SHORT, THIRD, PLAIN)
+    script = Script({arm: 1.0 if arm == fastest else 1.5 for arm in (PLAIN, FIXED, SHORT, THIRD, STOPS)})
+    drafts: list[int] = []
+    policy = SamplingPolicy(flat, {}, clock=script.clock)
+    asked = policy.next
+    policy.next = lambda rows: (lambda out: drafts.append(out[0]) or out)(asked(rows))
+    ran = script.run(policy, [8] * 1000)
+    assert {a for a, _ in ran[:5 * EXPLORE_CYCLES]} == {STOPS, FIXED, SHORT, THIRD, PLAIN}
+    assert gamma // 3 in drafts and gamma // 2 in drafts
+    assert share(ran[5 * EXPLORE_CYCLES:], fastest) >= 1 - 4 * 1.5 / REVISIT
 
 
 def plain_caps(costs: CostModel, fastest: str, cycles: int = 400) -> list[int | None]:

@@ -5,9 +5,9 @@ The cost model (`CostModel`, measured once per decoder state by `measure.measure
 decode at batch 1) seeds the choice: `choose_gamma` picks the gamma with the most expected tokens per
 unit of time at the acceptance seen so far, and 0 (plain decoding) unless speculation is predicted to win
 by MARGIN. The model knows batch 1 and its own formula only, so the runs correct it: plain decoding,
-drafting that gamma, drafting with stops and (several rows on the CPU) half that gamma are arms (`Arms`)
-timed in seconds per emitted token on the decoder's own runs, per row count and kept across calls; the
-fastest decodes almost all the time and the others are revisited rarely. Beam search chooses per call
+drafting that gamma, drafting with stops and (several rows on the CPU) a half and a third of that gamma
+are arms (`Arms`) timed in seconds per emitted token on the decoder's own runs, per row count and kept
+across calls; the fastest decodes almost all the time and the others are revisited rarely. Beam search chooses per call
 between plain and speculative beam search the same way (`BeamPolicy`), seeded by timed short searches
 (`BeamCosts`).
 Every cycle, and every call, is exact on its own: no choice changes greedy tokens, beam search's result
@@ -79,7 +79,7 @@ PLAUSIBLE = 0.8
 BEAM_PRIOR_STEPS = (1.5, 1.9)
 BEAM_PRIOR_WEIGHT = 4.0  # the prior counts as this many cycles
 
-PLAIN, FIXED, SHORT, STOPS, SPECULATIVE = "plain", "fixed", "short", "stops", "speculative"  # the arms
+PLAIN, FIXED, SHORT, THIRD, STOPS, SPECULATIVE = "plain", "fixed", "short", "third", "stops", "speculative"  # the arms
 
 
 @dataclass(frozen=True)
@@ -234,8 +234,8 @@ class SamplingPolicy:
     the gamma, or 0 (plain steps, a fused run where the kernels have them) where speculation is not
     predicted to win. Where it is, the arms decide, timed on the decoder's runs for the row class
     (`tables`, kept across calls): plain steps, the model's gamma, or (`stops_pay`) draft stops up to the
-    gamma a draft that is always right would pay for, and with several rows half the model's gamma
-    (`arms_at`). The caller's `confidence` replaces the drafting arms.
+    gamma a draft that is always right would pay for, and with several rows a half and a third of the
+    model's gamma (`arms_at`). The caller's `confidence` replaces the drafting arms.
     Stops read only the draft's own distribution, so no arm changes what is sampled; but the arm a cycle
     takes follows the clock, so seeded sampling under auto is not reproduced token for token."""
 
@@ -280,16 +280,21 @@ class SamplingPolicy:
             return gamma, None
         if arm == SHORT:
             return gamma // 2, None
+        if arm == THIRD:
+            return gamma // 3, None
         self.used_confidence = self.stops
         return self.sure_gamma, self.stops
 
     def arms_at(self, rows: int, gamma: int) -> tuple[str, ...]:
         """The arms for a cycle of `rows` running rows whose cost model gives `gamma`: with several rows on
-        the CPU also half that gamma (SHORT). A verify pass carries rows x (gamma + 1) tokens, and past ~12
-        the CPU's products turn compute-bound (tools/gemm_rows.py), which the cost model, measured at one
-        row, does not see: its gamma overshoots at batch 4 and 8 (docs/performance.md)."""
+        the CPU also half that gamma (SHORT) and a third of it (THIRD, where that is shorter still). A
+        verify pass carries rows x (gamma + 1) tokens, and past ~12 the CPU's products turn compute-bound
+        (tools/gemm_rows.py), which the cost model, measured at one row, does not see: its gamma (9-10 at
+        width 512) overshoots at batch 4 and 8, where gamma 3-5 were fastest and sampling at batch 8 with
+        gamma 10 or 5 ran at 0.89x and 1.23x of plain, gamma 3 at 1.34x (docs/performance.md)."""
         if rows > 1 and gamma >= 2 and self.arms[:2] == (STOPS, FIXED):
-            return self.arms[:2] + (SHORT,) + self.arms[2:]
+            shorter = (THIRD,) if 0 < gamma // 3 < gamma // 2 else ()
+            return self.arms[:2] + (SHORT,) + shorter + self.arms[2:]
         return self.arms
 
     def observe(self, accepted: list[int], proposed: list[int]) -> None:
