@@ -129,3 +129,49 @@ def test_upstream_semantics_float64_equals_plain(kind, beam_size, gamma, layout)
         plain, spec = dec.beam_search(source, gamma=0, **kw), dec.beam_search(source, **kw, gamma=gamma)
         assert_same(plain, spec)
         assert spec.stats.beam_steps == plain.stats.beam_steps == plain.stats.steps
+
+
+@pytest.mark.parametrize("semantics", ["standard", "upstream"])
+def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, semantics):
+    """On the kernels (float32, unguided) a cycle's draft is one call (`Backend.beam_draft`); without it
+    `spec_beam.draft` builds the tree level by level on the same passes. Every cycle drafts both ways from
+    the same cache: the same tree (nodes, tables, exit states) and the same K/V written, for items at
+    different lengths (rows at different slots), EOS blocked or not, and a temperature."""
+    from tts_specdec import kernels, spec_beam
+    from tts_specdec.backends.kernels_cpu import CpuKernels
+
+    if not kernels.available():
+        pytest.skip("the CPU kernels do not run here")
+    inner, compared, made = CpuKernels.beam_draft, [], []
+
+    def one_call(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        made.append(out is not None)
+        return out
+
+    def both(dec, live, cache, levels, width, cond_scale, temperature=1.0):
+        before = cache.k.clone(), cache.v.clone()
+        tree = spec_beam_draft(dec, live, cache, levels, width, cond_scale, temperature)
+        after = cache.k.clone(), cache.v.clone()
+        cache.k.copy_(before[0])
+        cache.v.copy_(before[1])
+        monkeypatch.setattr(CpuKernels, "beam_draft", lambda *a, **k: None)
+        by_level = spec_beam_draft(dec, live, cache, levels, width, cond_scale, temperature)
+        monkeypatch.setattr(CpuKernels, "beam_draft", one_call)
+        for name in ("row", "index", "path", "anc", "depth", "h", "count"):
+            assert torch.equal(getattr(tree, name), getattr(by_level, name)), name
+        assert (tree.count_host, tree.row_host, tree.children) == (by_level.count_host, by_level.row_host, by_level.children)
+        assert torch.equal(cache.k, after[0]) and torch.equal(cache.v, after[1])
+        compared.append(levels)
+        return tree
+
+    spec_beam_draft = spec_beam.draft
+    monkeypatch.setattr(spec_beam, "draft", both)
+    monkeypatch.setattr(CpuKernels, "beam_draft", one_call)
+    dec = SpeculativeDecoder(draft_model("partial", seed=3))
+    source = make_source(3, 8, seed=5, lengths=[8, 3, 5])
+    for temperature in (1.0, 0.7):
+        dec.beam_search(source, beam_size=3, max_length=16, gamma=2, draft_width=5, beam_semantics=semantics,
+                        temperature=temperature)
+    assert dec.decoder.backend.name == "kernels" and len(compared) > 10 and max(compared) == 2
+    assert sum(made) == sum(n > 0 for n in compared)  # every cycle with a level to draft, in one call

@@ -197,7 +197,8 @@ def draft(
     row got (the row counts read back once per level), or on a backend of static shapes the draft width
     (nothing read back). A node's index in its row is the row's node count before the level plus its rank
     among the level's nodes of that row, so the layout is the same slot range t + first.. for real and
-    padding positions alike."""
+    padding positions alike. A backend may draft the same tree in one call (`Backend.beam_draft`: the
+    kernels, unguided)."""
     guided = cond_scale > 1
     g = 2 if guided else 1
     a_n, k = len(live.states), live.states[0].beam_size
@@ -207,12 +208,20 @@ def draft(
     t = live.pos.repeat_interleave(k)  # (R,) slot of each root
     t_host = [n for n in live.lengths for _ in range(k)]
     same_t = _same(live.lengths)
-    anc = torch.eye(m_max, dtype=torch.bool, device=device).repeat(r_n, 1, 1)
-    depth = torch.zeros(r_n, m_max, dtype=torch.long, device=device)
-    hs = live.x.new_zeros(r_n * g, m_max, dim)
     score = torch.cat([s.scores for s in live.states]).flatten()  # (R,) target scores of the live beams
     if live.rows != list(range(r_n)):  # by root row
         score = torch.empty_like(score).index_copy_(0, live.rows_t, score)
+    blocked = eos if eos is not None and live.states[0].semantics == "standard" else None
+    whole = None if guided or static else dec.backend.beam_draft(live.x, t, score, a_n, levels, width, temperature,
+                                                                blocked, live.enc, cache)
+    if whole is not None:  # the backend drafted the whole tree in one call
+        hs, anc, depth, count, row, index, parent, token, path = whole
+        row_l, parent_l, token_l = torch.stack((row, parent, token)).tolist()
+        children = {(p, tk): n for n, (p, tk) in enumerate(zip(parent_l, token_l)) if n >= r_n}
+        return _Tree(row, index, path, anc, depth, hs, count, count.tolist(), row_l, children)
+    anc = torch.eye(m_max, dtype=torch.bool, device=device).repeat(r_n, 1, 1)
+    depth = torch.zeros(r_n, m_max, dtype=torch.long, device=device)
+    hs = live.x.new_zeros(r_n * g, m_max, dim)
     roots = torch.arange(r_n, device=device)
     zeros = torch.zeros_like(roots)
     # the current level's nodes (item-major): rows, indexes in their rows, ranks among the row's new nodes
@@ -246,8 +255,8 @@ def draft(
             break
         # expand: candidates of every node of this level, top W per item by draft score
         lp = step_logprobs(dec.draft_logits(h_new.flatten(0, 1)), cond_scale, temperature)
-        if eos is not None and live.states[0].semantics == "standard":
-            lp[:, eos] = -math.inf  # EOS ends a hypothesis: it is never a node to expand
+        if blocked is not None:
+            lp[:, blocked] = -math.inf  # EOS ends a hypothesis: it is never a node to expand
         per = lrow.numel() // a_n
         cand = (score.to(lp.dtype)[:, None] + lp).view(a_n, per * vocab)
         top, flat = cand.topk(min(width, per * vocab), dim=1)

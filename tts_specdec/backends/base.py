@@ -84,6 +84,16 @@ class Backend:
         without confidence)."""
         raise NotImplementedError
 
+    def beam_draft(
+        self, x: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int, temperature: float,
+        eos: int | None, enc: Encoded, cache: KVCache,
+    ) -> tuple[Tensor, ...] | None:
+        """A speculative beam cycle's whole draft in one call, where the backend has one (unguided): the
+        exit head's beam search for `levels` levels of `width` nodes per item from the roots x (R, 1, dim)
+        at slots t (R,) with scores `score` (R,), R = items x beams, every node kept (`kernels.beam_draft`
+        says what it returns). None: `spec_beam.draft` builds the tree level by level instead."""
+        return None
+
     def plain_steps(
         self, x: Tensor, pos: Tensor, steps: int, cfg: SamplingConfig, generator: torch.Generator | None,
         enc: Encoded, cache: KVCache, cond_scale: float = 1.0,

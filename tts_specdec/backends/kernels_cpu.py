@@ -77,6 +77,29 @@ class CpuKernels(TorchEager):
             dec.layer_evals[i] += rows * n if keep is None else keep.numel()
         return x.view(rows, n, dim)
 
+    def beam_draft(
+        self, x: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int, temperature: float,
+        eos: int | None, enc: Encoded, cache: KVCache,
+    ) -> tuple[Tensor, ...] | None:
+        """The draft in one kernel call (`kernels.beam_draft`): some 70 small tensor operations and a count
+        read back per level in `spec_beam.draft`, each costing ~10-20 us beside passes that stream the
+        weights, were about a tenth of a cycle at width 512."""
+        dec = self.dec
+        head = dec._draft_head()
+        if levels < 1 or head.kernel is None or cache.table is not None or x.dtype != torch.float32:
+            return None
+        m = 1 + levels * width
+        top = int(t.max())
+        dec._rope_to(top + levels + 1, cache)
+        k_all, v_all = cache.buffers(top + m)
+        trunk = range(dec.exit_layer)
+        out = kernels.beam_draft(self.stack, head.kernel, self._embedding, x[:, 0].contiguous(), t, score.float(), items, levels, width,
+                                 trunk, temperature, eos, *dec._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask,
+                                 enc.source)
+        for i in trunk:
+            dec.layer_evals[i] += out[4].numel()  # every node once
+        return out
+
     def plain_steps(
         self, x: Tensor, pos: Tensor, steps: int, cfg: SamplingConfig, generator: torch.Generator | None,
         enc: Encoded, cache: KVCache, cond_scale: float = 1.0,

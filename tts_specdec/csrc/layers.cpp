@@ -425,6 +425,175 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
           tokens.narrow(1, 0, steps), confidence > 0 ? limit : torch::empty({0}, start.options()), x};
 }
 
+// One speculative beam cycle's draft (`spec_beam.draft`, unguided, on the kernels) in one call: beam search
+// with the exit head for `levels` levels of `width` nodes per item from the R = items * K live beams (rows
+// item-major), every node kept. Node ids: roots 0..R-1, then level by level, each level item-major and
+// within an item in the order of its candidates' draft scores (ties: the lower parent, then the lower
+// token). A node lives in its root's cache row at slot t[r] + index (its index: the row's node count
+// before its level plus its rank among the level's nodes of that row) with rotary position t[r] + depth,
+// and sees the committed prefix (slots < t[r]) and its ancestors (the tree mask); a level's pass runs
+// layers [0, last) over the real nodes only (rows padded to the level's widest). A candidate's score is
+// its parent's plus the head's log_softmax(logits / temperature) (`beam.step_logprobs`); eos >= 0 is never
+// a candidate (an EOS ends a hypothesis: not a node to expand). x0 (R, dim): the roots' pending inputs at
+// slots t (R,); score (R,): the live beams' scores by row; emb (tokens, dim): the inputs of drafted tokens.
+// Returns the exit states hs (R, M, dim) by row and index (M = 1 + levels * width; zero where no node),
+// anc (R, M, M) bool (anc[r, i, j]: index j of row r is an ancestor of index i, or i itself, for every i),
+// depth (R, M), count (R,) nodes per row, and per node: row, index, parent (-1: a root), token (0: a
+// root), path (N, levels) (index of its ancestor at depth 1..levels, itself at its depth, 0 below).
+std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
+                                      const torch::Tensor& t, const torch::Tensor& score, int64_t items, int64_t levels,
+                                      int64_t width, int64_t last, double temperature, int64_t eos, const torch::Tensor& cos,
+                                      const torch::Tensor& sin, const torch::Tensor& k_all, const torch::Tensor& v_all,
+                                      const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
+                                      const c10::optional<torch::Tensor>& cross_mask, const c10::optional<torch::Tensor>& enc_rows) {
+  TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat && x0.is_contiguous(), "x0: contiguous float32 (R, dim)");
+  const int64_t R = x0.size(0), dim = x0.size(1);
+  TORCH_CHECK(items > 0 && R % items == 0, "items: a divisor of the rows");
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == R && t.scalar_type() == at::kLong && t.is_contiguous(), "t: contiguous int64 (R,)");
+  TORCH_CHECK(score.dim() == 1 && score.size(0) == R && score.scalar_type() == at::kFloat && score.is_contiguous(),
+              "score: contiguous float32 (R,)");
+  TORCH_CHECK(emb.dim() == 2 && emb.size(1) == dim && emb.is_contiguous() && emb.scalar_type() == at::kFloat,
+              "emb: contiguous float32 (tokens, dim)");
+  TORCH_CHECK(levels >= 1 && width >= 1 && temperature >= 0.0, "levels >= 1, width >= 1, temperature >= 0");
+  const int64_t M = 1 + levels * width;
+  const float inv_t = temperature == 1.0 ? 1.0f : float(1.0 / std::max(temperature, 1e-10));
+  const auto lopt = t.options();
+  auto hs = torch::zeros({R, M, dim}, x0.options());
+  auto anc_t = torch::zeros({R, M, M}, lopt.dtype(at::kBool));
+  auto depth_t = torch::zeros({R, M}, lopt);
+  bool* anc = anc_t.data_ptr<bool>();
+  int64_t* depth = depth_t.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < M; ++i) anc[(r * M + i) * M + i] = true;
+  const int64_t* tp = t.data_ptr<int64_t>();
+  std::vector<int64_t> count(R, 1), row(R), index(R, 0), parent(R, -1), token(R, 0), path(R * levels, 0);
+  for (int64_t r = 0; r < R; ++r) row[r] = r;
+  std::vector<float> lscore(score.data_ptr<float>(), score.data_ptr<float>() + R);  // the level's nodes' scores
+  const c10::optional<torch::Tensor> none;
+  // the roots: one per row at slot t (causal by slot is their tree mask)
+  auto slots0 = t.view({R, 1});
+  auto h = stack.run(x0, 0, last, cos, sin, slots0, slots0, k_all, v_all, none, none, *std::max_element(tp, tp + R) + 1,
+                     enc_keys, enc_values, cross_mask, enc_rows, none);
+  for (int64_t r = 0; r < R; ++r) std::copy(h.data_ptr<float>() + r * dim, h.data_ptr<float>() + (r + 1) * dim, hs.data_ptr<float>() + r * M * dim);
+  int64_t level_start = 0, n = R;  // the current level's first node id and node count
+  std::vector<float> lp, cand;
+  std::vector<int64_t> order;
+  for (int64_t d = 0; d < levels; ++d) {
+    // expand: the head on the level's exit states (h: one row per node, in node order)
+    auto logits = head(h);
+    const int64_t V = logits.size(1), ld = logits.stride(0);
+    TORCH_CHECK(V <= emb.size(0), "head wider than the embedding table");
+    const int64_t per = n / items, take = std::min(width, per * V);
+    lp.resize(n * V);
+    for (int64_t i = 0; i < n; ++i) {  // log_softmax(logits / temperature), as step_logprobs
+      const float* l = logits.data_ptr<float>() + i * ld;
+      float* o = lp.data() + i * V;
+      if (!finite_row(l, V)) {  // NaN, as step_logprobs gives (such candidates rank last)
+        std::fill(o, o + V, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      float m = -std::numeric_limits<float>::infinity();
+      double total = 0.0;
+      for (int64_t v = 0; v < V; ++v) m = std::max(m, o[v] = inv_t == 1.0f ? l[v] : l[v] * inv_t);
+      for (int64_t v = 0; v < V; ++v) total += std::exp(double(o[v] - m));
+      const float lse = m + float(std::log(total));
+      for (int64_t v = 0; v < V; ++v) o[v] -= lse;
+      if (eos >= 0 && eos < V) o[eos] = -std::numeric_limits<float>::infinity();
+    }
+    // every item's `take` best candidates (parent score + log-prob), best first
+    std::vector<int64_t> prow, pidx, ptok, ploc;
+    std::vector<float> pscore;
+    cand.resize(per * V);
+    order.resize(per * V);
+    for (int64_t a = 0; a < items; ++a) {
+      for (int64_t p = 0; p < per; ++p)
+        for (int64_t v = 0; v < V; ++v) cand[p * V + v] = lscore[a * per + p] + lp[(a * per + p) * V + v];
+      for (int64_t i = 0; i < per * V; ++i) order[i] = i;
+      auto better = [&](int64_t x, int64_t y) {  // NaN last, then by score, ties to the lower index
+        const bool nx = std::isnan(cand[x]), ny = std::isnan(cand[y]);
+        if (nx != ny) return ny;
+        if (!nx && cand[x] != cand[y]) return cand[x] > cand[y];
+        return x < y;
+      };
+      std::partial_sort(order.begin(), order.begin() + take, order.end(), better);
+      for (int64_t i = 0; i < take; ++i) {
+        const int64_t loc = a * per + order[i] / V;
+        ploc.push_back(loc);
+        ptok.push_back(order[i] % V);
+        pscore.push_back(cand[order[i]]);
+      }
+    }
+    // the new level's nodes: row, index (the row's count before the level + rank in the row), tree tables
+    const int64_t nn = int64_t(ploc.size());
+    std::vector<int64_t> first(count), per_row(R, 0), col(nn);
+    for (int64_t q = 0; q < nn; ++q) {
+      const int64_t pid = level_start + ploc[q], r = row[pid];
+      col[q] = per_row[r]++;
+      const int64_t ni = first[r] + col[q];
+      bool* dst = anc + (r * M + ni) * M;
+      std::copy(anc + (r * M + index[pid]) * M, anc + (r * M + index[pid] + 1) * M, dst);
+      dst[ni] = true;
+      depth[r * M + ni] = d + 1;
+      row.push_back(r);
+      index.push_back(ni);
+      parent.push_back(pid);
+      token.push_back(ptok[q]);
+      for (int64_t j = 0; j < levels; ++j) path.push_back(j == d ? ni : path[pid * levels + j]);
+    }
+    for (int64_t r = 0; r < R; ++r) count[r] += per_row[r];
+    // the level's pass: rows padded to the widest, padding skipped by the products
+    const int64_t c = *std::max_element(per_row.begin(), per_row.end());
+    auto x = torch::zeros({R * c, dim}, x0.options());
+    auto pos = torch::empty({R, c}, lopt), slots = torch::empty({R, c}, lopt);
+    int64_t keys = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      keys = std::max(keys, tp[r] + first[r] + c);
+      for (int64_t j = 0; j < c; ++j) {
+        pos.data_ptr<int64_t>()[r * c + j] = tp[r] + d + 1;
+        slots.data_ptr<int64_t>()[r * c + j] = tp[r] + first[r] + j;
+      }
+    }
+    std::vector<int64_t> real_v;
+    for (int64_t q = 0; q < nn; ++q) {
+      const int64_t r = row[level_start + n + q], tok = r * c + col[q];
+      real_v.push_back(tok);
+      std::copy(emb.data_ptr<float>() + ptok[q] * dim, emb.data_ptr<float>() + (ptok[q] + 1) * dim, x.data_ptr<float>() + tok * dim);
+    }
+    std::sort(real_v.begin(), real_v.end());
+    auto real = torch::tensor(real_v, lopt);
+    // the tree mask: a query at index i of row r sees slots < t[r] and t[r] + j for its ancestors j
+    // (a padding query: the prefix and its own slot)
+    auto mask = torch::empty({R, c, keys}, x0.options());
+    float* mp = mask.data_ptr<float>();
+    const float hidden = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < c; ++j) {
+        const bool* own = anc + (r * M + first[r] + j) * M;
+        float* out = mp + (r * c + j) * keys;
+        for (int64_t s = 0; s < keys; ++s) {
+          const int64_t rel = s - tp[r];
+          out[s] = rel < 0 || (rel < M && own[rel]) ? 0.0f : hidden;
+        }
+      }
+    h = stack.run(x, 0, last, cos, sin, pos, slots, k_all, v_all, none, mask, keys, enc_keys, enc_values, cross_mask, enc_rows, real);
+    // the next level's exit states in node order, and each node's in hs
+    auto hn = torch::empty({nn, dim}, x0.options());
+    for (int64_t q = 0; q < nn; ++q) {
+      const int64_t id = level_start + n + q, r = row[id];
+      const float* src = h.data_ptr<float>() + (r * c + col[q]) * dim;
+      std::copy(src, src + dim, hn.data_ptr<float>() + q * dim);
+      std::copy(src, src + dim, hs.data_ptr<float>() + (r * M + index[id]) * dim);
+    }
+    h = hn;
+    lscore = pscore;
+    level_start += n;
+    n = nn;
+  }
+  const int64_t N = int64_t(row.size());
+  auto pack = [&](const std::vector<int64_t>& v) { return torch::tensor(v, lopt); };
+  return {hs, anc_t, depth_t, pack(count), pack(row), pack(index), pack(parent), pack(token), pack(path).view({N, levels})};
+}
+
 // In place: rows r of t (layers, rows, heads, capacity, d) become rows index[r], slots below `high`
 // only. Rows that keep their place are not touched; sources are read before any row is written.
 void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
@@ -508,6 +677,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &Head::operator(), "logits of hidden states (tokens, dim)");
   m.def("filtered_probs", &filtered_probs, "softmax(logits / temperature) after top-k / top-p, row by row");
   m.def("decode_steps", &decode_steps, "gamma decoding steps per row in one call: a draft phase, or a run of plain sampling");
+  m.def("beam_draft", &beam_draft, "a speculative beam cycle's draft tree: levels of the exit head's beam search, every node kept");
   m.def("speculative_accept", &speculative_accept, "Leviathan et al.'s accept rule for one cycle of every row");
   m.def("fingerprint", &fingerprint, "two 64-bit sums of each tensor's bytes (None unless all on the CPU)");
   m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
