@@ -133,10 +133,11 @@ def test_upstream_semantics_float64_equals_plain(kind, beam_size, gamma, layout)
 
 @pytest.mark.parametrize("semantics", ["standard", "upstream"])
 def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, semantics):
-    """On the kernels (float32, unguided) a cycle's draft is one call (`Backend.beam_draft`); without it
-    `spec_beam.draft` builds the tree level by level on the same passes. Every cycle drafts both ways from
-    the same cache: the same tree (nodes, tables, exit states) and the same K/V written, for items at
-    different lengths (rows at different slots), EOS blocked or not, and a temperature."""
+    """On the kernels (float32, unguided) a cycle's draft and verify pass are one call
+    (`Backend.beam_draft`); without it `spec_beam.draft` builds the tree level by level and `verify` passes
+    over it. Every cycle runs both ways from the same cache: the same tree (nodes, tables, exit states),
+    the same target log-probs and the same K/V written in every layer, for items at different lengths
+    (rows at different slots), EOS blocked or not, and a temperature."""
     from tts_specdec import kernels, spec_beam
     from tts_specdec.backends.kernels_cpu import CpuKernels
 
@@ -152,6 +153,7 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, semantics):
     def both(dec, live, cache, levels, width, cond_scale, temperature=1.0):
         before = cache.k.clone(), cache.v.clone()
         tree = spec_beam_draft(dec, live, cache, levels, width, cond_scale, temperature)
+        logprobs = spec_beam.verify(dec, live, tree, cache, cond_scale, temperature)
         after = cache.k.clone(), cache.v.clone()
         cache.k.copy_(before[0])
         cache.v.copy_(before[1])
@@ -161,7 +163,9 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, semantics):
         for name in ("row", "index", "path", "anc", "depth", "h", "count"):
             assert torch.equal(getattr(tree, name), getattr(by_level, name)), name
         assert (tree.count_host, tree.row_host, tree.children) == (by_level.count_host, by_level.row_host, by_level.children)
-        assert torch.equal(cache.k, after[0]) and torch.equal(cache.v, after[1])
+        assert (tree.verified is not None) == (levels > 0) and by_level.verified is None
+        assert torch.equal(spec_beam.verify(dec, live, by_level, cache, cond_scale, temperature), logprobs)
+        assert torch.equal(cache.k, after[0]) and torch.equal(cache.v, after[1])  # every layer's K/V
         compared.append(levels)
         return tree
 

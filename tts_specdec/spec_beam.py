@@ -67,6 +67,7 @@ class _Tree:
     count_host: list[int] | None  # the same on the host, where passes are cut to it (None: static shapes)
     row_host: list[int]  # `row` on the host (read with the children)
     children: dict[tuple[int, int], int]  # (parent node, token) -> node
+    verified: Tensor | None = None  # (N, dim) the verify pass's outputs by node, where the draft's call ran it
 
 
 @dataclass
@@ -214,11 +215,11 @@ def draft(
     blocked = eos if eos is not None and live.states[0].semantics == "standard" else None
     whole = None if guided or static else dec.backend.beam_draft(live.x, t, score, a_n, levels, width, temperature,
                                                                 blocked, live.enc, cache)
-    if whole is not None:  # the backend drafted the whole tree in one call
-        hs, anc, depth, count, row, index, parent, token, path = whole
+    if whole is not None:  # the backend drafted the whole tree, and passed over it, in one call
+        hs, anc, depth, count, row, index, parent, token, path, verified = whole
         row_l, parent_l, token_l = torch.stack((row, parent, token)).tolist()
         children = {(p, tk): n for n, (p, tk) in enumerate(zip(parent_l, token_l)) if n >= r_n}
-        return _Tree(row, index, path, anc, depth, hs, count, count.tolist(), row_l, children)
+        return _Tree(row, index, path, anc, depth, hs, count, count.tolist(), row_l, children, verified)
     anc = torch.eye(m_max, dtype=torch.bool, device=device).repeat(r_n, 1, 1)
     depth = torch.zeros(r_n, m_max, dtype=torch.long, device=device)
     hs = live.x.new_zeros(r_n * g, m_max, dim)
@@ -309,6 +310,8 @@ def verify(
 ) -> Tensor:
     """One target pass (layers E+1..L) over every node of every root row; log-probs per node (N, V)."""
     guided = cond_scale > 1
+    if tree.verified is not None:  # the draft's call ran the pass
+        return step_logprobs(dec.target_logits(tree.verified), cond_scale, temperature)
     k = live.states[0].beam_size
     t = live.pos.repeat_interleave(k)
     static = dec.backend.static_shapes  # the whole tree's size instead of the largest row's

@@ -81,9 +81,10 @@ class CpuKernels(TorchEager):
         self, x: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int, temperature: float,
         eos: int | None, enc: Encoded, cache: KVCache,
     ) -> tuple[Tensor, ...] | None:
-        """The draft in one kernel call (`kernels.beam_draft`): some 70 small tensor operations and a count
-        read back per level in `spec_beam.draft`, each costing ~10-20 us beside passes that stream the
-        weights, were about a tenth of a cycle at width 512."""
+        """The draft and the verify pass in one kernel call (`kernels.beam_draft`): some 90 small tensor
+        operations and a count read back per level in `spec_beam.draft` and `verify`, each costing ~10-20
+        us beside passes that stream the weights, were about a tenth of a cycle at width 512. The verify
+        pass's outputs (N, dim) by node come last."""
         dec = self.dec
         head = dec._draft_head()
         if levels < 1 or head.kernel is None or cache.table is not None or x.dtype != torch.float32:
@@ -92,12 +93,12 @@ class CpuKernels(TorchEager):
         top = int(t.max())
         dec._rope_to(top + levels + 1, cache)
         k_all, v_all = cache.buffers(top + m)
-        trunk = range(dec.exit_layer)
-        out = kernels.beam_draft(self.stack, head.kernel, self._embedding, x[:, 0].contiguous(), t, score.float(), items, levels, width,
-                                 trunk, temperature, eos, *dec._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask,
-                                 enc.source)
-        for i in trunk:
-            dec.layer_evals[i] += out[4].numel()  # every node once
+        trunk, upper = range(dec.exit_layer), range(dec.exit_layer, dec.depth)
+        out = kernels.beam_draft(self.stack, head.kernel, self._embedding, x[:, 0].contiguous(), t, score.float(), items,
+                                 levels, width, trunk, temperature, eos, *dec._rope, k_all, v_all, enc.keys, enc.values,
+                                 enc.cross_mask, enc.source, upper)
+        for i in range(dec.depth):
+            dec.layer_evals[i] += out[4].numel()  # every node once, in every layer
         return out
 
     def plain_steps(

@@ -440,9 +440,12 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
 // anc (R, M, M) bool (anc[r, i, j]: index j of row r is an ancestor of index i, or i itself, for every i),
 // depth (R, M), count (R,) nodes per row, and per node: row, index, parent (-1: a root), token (0: a
 // root), path (N, levels) (index of its ancestor at depth 1..levels, itself at its depth, 0 below).
+// upper > last: then the verify pass too (`spec_beam.verify`): layers [last, upper) over every node of
+// every row (rows padded to the most nodes any row holds, padding skipped), each node at its slot and
+// position under the same tree mask; returns their outputs (N, dim) in node order as a last tensor.
 std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                       const torch::Tensor& t, const torch::Tensor& score, int64_t items, int64_t levels,
-                                      int64_t width, int64_t last, double temperature, int64_t eos, const torch::Tensor& cos,
+                                      int64_t width, int64_t last, int64_t upper, double temperature, int64_t eos, const torch::Tensor& cos,
                                       const torch::Tensor& sin, const torch::Tensor& k_all, const torch::Tensor& v_all,
                                       const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
                                       const c10::optional<torch::Tensor>& cross_mask, const c10::optional<torch::Tensor>& enc_rows) {
@@ -475,6 +478,23 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   auto h = stack.run(x0, 0, last, cos, sin, slots0, slots0, k_all, v_all, none, none, *std::max_element(tp, tp + R) + 1,
                      enc_keys, enc_values, cross_mask, enc_rows, none);
   for (int64_t r = 0; r < R; ++r) std::copy(h.data_ptr<float>() + r * dim, h.data_ptr<float>() + (r + 1) * dim, hs.data_ptr<float>() + r * M * dim);
+  // the tree mask (R, c, keys) of queries at indexes first[r] + j of each row r: slots < t[r] and t[r] + i
+  // for the query's ancestors i (a padding query: the prefix and its own slot)
+  auto tree_mask = [&](const std::vector<int64_t>& first, int64_t c, int64_t keys) {
+    auto mask = torch::empty({R, c, keys}, x0.options());
+    float* mp = mask.data_ptr<float>();
+    const float hidden = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < c; ++j) {
+        const bool* own = anc + (r * M + first[r] + j) * M;
+        float* out = mp + (r * c + j) * keys;
+        for (int64_t s = 0; s < keys; ++s) {
+          const int64_t rel = s - tp[r];
+          out[s] = rel < 0 || (rel < M && own[rel]) ? 0.0f : hidden;
+        }
+      }
+    return mask;
+  };
   int64_t level_start = 0, n = R;  // the current level's first node id and node count
   std::vector<float> lp, cand;
   std::vector<int64_t> order;
@@ -561,21 +581,8 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
     }
     std::sort(real_v.begin(), real_v.end());
     auto real = torch::tensor(real_v, lopt);
-    // the tree mask: a query at index i of row r sees slots < t[r] and t[r] + j for its ancestors j
-    // (a padding query: the prefix and its own slot)
-    auto mask = torch::empty({R, c, keys}, x0.options());
-    float* mp = mask.data_ptr<float>();
-    const float hidden = -std::numeric_limits<float>::infinity();
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < c; ++j) {
-        const bool* own = anc + (r * M + first[r] + j) * M;
-        float* out = mp + (r * c + j) * keys;
-        for (int64_t s = 0; s < keys; ++s) {
-          const int64_t rel = s - tp[r];
-          out[s] = rel < 0 || (rel < M && own[rel]) ? 0.0f : hidden;
-        }
-      }
-    h = stack.run(x, 0, last, cos, sin, pos, slots, k_all, v_all, none, mask, keys, enc_keys, enc_values, cross_mask, enc_rows, real);
+    h = stack.run(x, 0, last, cos, sin, pos, slots, k_all, v_all, none, tree_mask(first, c, keys), keys, enc_keys, enc_values,
+                  cross_mask, enc_rows, real);
     // the next level's exit states in node order, and each node's in hs
     auto hn = torch::empty({nn, dim}, x0.options());
     for (int64_t q = 0; q < nn; ++q) {
@@ -591,7 +598,30 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   }
   const int64_t N = int64_t(row.size());
   auto pack = [&](const std::vector<int64_t>& v) { return torch::tensor(v, lopt); };
-  return {hs, anc_t, depth_t, pack(count), pack(row), pack(index), pack(parent), pack(token), pack(path).view({N, levels})};
+  std::vector<torch::Tensor> out{hs, anc_t, depth_t, pack(count), pack(row), pack(index), pack(parent), pack(token),
+                                 pack(path).view({N, levels})};
+  if (upper > last) {  // the verify pass over every node, rows padded to the fullest
+    const int64_t m = *std::max_element(count.begin(), count.end());
+    auto x = hs.narrow(1, 0, m).reshape({R * m, dim}).contiguous();
+    auto pos = torch::empty({R, m}, lopt), slots = torch::empty({R, m}, lopt);
+    std::vector<int64_t> real_v;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < m; ++j) {
+        pos.data_ptr<int64_t>()[r * m + j] = tp[r] + depth[r * M + j];
+        slots.data_ptr<int64_t>()[r * m + j] = tp[r] + j;
+        if (j < count[r]) real_v.push_back(r * m + j);
+      }
+    const int64_t keys = *std::max_element(tp, tp + R) + m;
+    auto hu = stack.run(x, last, upper, cos, sin, pos, slots, k_all, v_all, none, tree_mask(std::vector<int64_t>(R, 0), m, keys),
+                        keys, enc_keys, enc_values, cross_mask, enc_rows, torch::tensor(real_v, lopt));
+    auto nodes = torch::empty({N, dim}, x0.options());
+    for (int64_t id = 0; id < N; ++id) {
+      const float* src = hu.data_ptr<float>() + (row[id] * m + index[id]) * dim;
+      std::copy(src, src + dim, nodes.data_ptr<float>() + id * dim);
+    }
+    out.push_back(nodes);
+  }
+  return out;
 }
 
 // In place: rows r of t (layers, rows, heads, capacity, d) become rows index[r], slots below `high`
