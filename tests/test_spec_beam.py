@@ -131,13 +131,13 @@ def test_upstream_semantics_float64_equals_plain(kind, beam_size, gamma, layout)
         assert spec.stats.beam_steps == plain.stats.beam_steps == plain.stats.steps
 
 
-@pytest.mark.parametrize("semantics", ["standard", "upstream"])
-def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, semantics):
+@pytest.mark.parametrize("kind, semantics", [("partial", "standard"), ("partial", "upstream"), ("equal", "standard")])
+def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, kind, semantics):
     """On the kernels (float32, unguided) a cycle's draft and verify pass are one call
     (`Backend.beam_draft`); without it `spec_beam.draft` builds the tree level by level and `verify` passes
     over it. Every cycle runs both ways from the same cache: the same tree (nodes, tables, exit states),
     the same target log-probs and the same K/V written in every layer, for items at different lengths
-    (rows at different slots), EOS blocked or not, and a temperature."""
+    (rows at different slots), EOS blocked or not, a temperature, and an exit at the last layer."""
     from tts_specdec import kernels, spec_beam
     from tts_specdec.backends.kernels_cpu import CpuKernels
 
@@ -172,7 +172,7 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, semantics):
     spec_beam_draft = spec_beam.draft
     monkeypatch.setattr(spec_beam, "draft", both)
     monkeypatch.setattr(CpuKernels, "beam_draft", one_call)
-    dec = SpeculativeDecoder(draft_model("partial", seed=3))
+    dec = SpeculativeDecoder(draft_model(kind, seed=3))  # "equal": no layer above the exit
     source = make_source(3, 8, seed=5, lengths=[8, 3, 5])
     for temperature in (1.0, 0.7):
         dec.beam_search(source, beam_size=3, max_length=16, gamma=2, draft_width=5, beam_semantics=semantics,

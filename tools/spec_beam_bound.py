@@ -5,7 +5,9 @@ Speculative beam search returns exactly what beam search returns; it can only wi
 beam steps per cycle (s, measured) than a cycle's passes cost in beam steps. This tool times every call
 of the backend's `run_layers` (the decoder layers, the kernels' work) during both searches on the same
 held-out sentences, and reports per cycle: the time in layer passes, the rest (heads, tree bookkeeping,
-replay, commit), and the speedup over beam search if everything but the layer passes cost nothing:
+replay, commit), and the speedup over beam search if everything but the layer passes cost nothing (on
+the kernels a cycle's draft and verify passes are one call, `Backend.beam_draft`, timed whole: its exit
+head and tree bookkeeping count as passes there):
 
     bound = s * (beam step, all its time) / (a cycle's layer passes)
 
@@ -51,6 +53,21 @@ class PassTimer:
                 entry[2] += x.shape[0] * x.shape[1]
 
         backend.run_layers = timed
+        # the kernels draft and verify a cycle's tree in one call: its passes are counted whole (with the
+        # little tree bookkeeping done in the same C++ call), as kind "tree call"
+        draft = backend.beam_draft
+
+        def timed_draft(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = draft(*args, **kwargs)
+            if out is not None:
+                entry = self.by_kind.setdefault("tree call", [0.0, 0, 0])
+                entry[0] += time.perf_counter() - t0
+                entry[1] += 1
+                entry[2] += out[4].numel()
+            return out
+
+        backend.beam_draft = timed_draft
 
     def take(self) -> dict[str, list[float]]:
         out, self.by_kind = self.by_kind, {}
@@ -111,14 +128,18 @@ def main() -> None:
                "measured_speedup": plain["wall_s"] / m["wall_s"], "bound_if_rest_free": s * beam_step / layers}
         rows.append(row)
         verdict = "below" if row["bound_if_rest_free"] < args.target else "not below"
-        for kind in ("trunk", "upper"):
+        for kind in ("trunk", "upper", "tree call"):
             if f"{kind}_s" in m:
                 row[f"{kind}_ms_per_cycle"] = m[f"{kind}_s"] / m["cycles"] * 1e3
                 row[f"{kind}_tokens_per_pass"] = m[f"{kind}_tokens"] / m[f"{kind}_calls"]
                 row[f"{kind}_passes_per_cycle"] = m[f"{kind}_calls"] / m["cycles"]
-        print(f"  per cycle: trunk passes {row.get('trunk_ms_per_cycle', 0):.2f} ms ({row.get('trunk_passes_per_cycle', 0):.1f} "
-              f"passes of {row.get('trunk_tokens_per_pass', 0):.1f} tokens), verify {row.get('upper_ms_per_cycle', 0):.2f} ms "
-              f"({row.get('upper_tokens_per_pass', 0):.1f} token slots per pass)")
+        if "tree call_ms_per_cycle" in row:
+            print(f"  per cycle: draft and verify in one call {row['tree call_ms_per_cycle']:.2f} ms "
+                  f"({row['tree call_tokens_per_pass']:.1f} nodes); other passes {layers * 1e3 - row['tree call_ms_per_cycle']:.2f} ms")
+        else:
+            print(f"  per cycle: trunk passes {row.get('trunk_ms_per_cycle', 0):.2f} ms ({row.get('trunk_passes_per_cycle', 0):.1f} "
+                  f"passes of {row.get('trunk_tokens_per_pass', 0):.1f} tokens), verify {row.get('upper_ms_per_cycle', 0):.2f} ms "
+                  f"({row.get('upper_tokens_per_pass', 0):.1f} token slots per pass)")
         print(f"speculative beam gamma={g} W={w}: {s:.2f} steps per cycle; a cycle {cycle * 1e3:.2f} ms = layer passes "
               f"{layers * 1e3:.2f} ms + rest {(cycle - layers) * 1e3:.2f} ms; measured {row['measured_speedup']:.2f}x beam "
               f"search; bound with the rest free {row['bound_if_rest_free']:.2f}x ({verdict} the {args.target:g}x target)")

@@ -303,9 +303,9 @@ def beam_draft(
     beam search with `head` over the layers `trunk` for `levels` levels of `width` nodes per item from the
     roots x0 (R, dim) at slots t (R,) with scores `score` (R,), R = items x beams, every node kept in its
     root's cache row under the tree mask; eos (or None) is never a node. Returns (hs (R, M, dim), anc
-    (R, M, M), depth (R, M), count (R,), and per node row, index, parent, token, path (N, levels)); with
-    `upper` (the layers above the trunk) the verify pass over every node too, and its outputs (N, dim) in
-    node order last."""
+    (R, M, M), depth (R, M), count (R,), per node row, index, parent, token, path (N, levels), and last
+    the outputs (N, dim) by node of the verify pass over every node through `upper` (the layers above the
+    trunk; none: the exit states)."""
     if trunk.start != 0 or (upper is not None and upper.start != trunk.stop):
         raise ValueError("the draft's trunk starts at layer 0, the verify pass where it ends")
     return tuple(_module.beam_draft(

@@ -440,9 +440,10 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
 // anc (R, M, M) bool (anc[r, i, j]: index j of row r is an ancestor of index i, or i itself, for every i),
 // depth (R, M), count (R,) nodes per row, and per node: row, index, parent (-1: a root), token (0: a
 // root), path (N, levels) (index of its ancestor at depth 1..levels, itself at its depth, 0 below).
-// upper > last: then the verify pass too (`spec_beam.verify`): layers [last, upper) over every node of
-// every row (rows padded to the most nodes any row holds, padding skipped), each node at its slot and
-// position under the same tree mask; returns their outputs (N, dim) in node order as a last tensor.
+// Then the verify pass (`spec_beam.verify`): layers [last, upper) over every node of every row (rows
+// padded to the most nodes any row holds, padding skipped), each node at its slot and position under the
+// same tree mask; returns their outputs (N, dim) in node order as a last tensor (upper == last: the exit
+// states themselves).
 std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                       const torch::Tensor& t, const torch::Tensor& score, int64_t items, int64_t levels,
                                       int64_t width, int64_t last, int64_t upper, double temperature, int64_t eos, const torch::Tensor& cos,
@@ -600,7 +601,14 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   auto pack = [&](const std::vector<int64_t>& v) { return torch::tensor(v, lopt); };
   std::vector<torch::Tensor> out{hs, anc_t, depth_t, pack(count), pack(row), pack(index), pack(parent), pack(token),
                                  pack(path).view({N, levels})};
-  if (upper > last) {  // the verify pass over every node, rows padded to the fullest
+  TORCH_CHECK(upper >= last, "upper: at or above last");
+  auto nodes = torch::empty({N, dim}, x0.options());
+  if (upper == last) {  // no layer above the exit: the exit states are the target's
+    for (int64_t id = 0; id < N; ++id) {
+      const float* src = hs.data_ptr<float>() + (row[id] * M + index[id]) * dim;
+      std::copy(src, src + dim, nodes.data_ptr<float>() + id * dim);
+    }
+  } else {  // the verify pass over every node, rows padded to the fullest
     const int64_t m = *std::max_element(count.begin(), count.end());
     auto x = hs.narrow(1, 0, m).reshape({R * m, dim}).contiguous();
     auto pos = torch::empty({R, m}, lopt), slots = torch::empty({R, m}, lopt);
@@ -614,13 +622,12 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
     const int64_t keys = *std::max_element(tp, tp + R) + m;
     auto hu = stack.run(x, last, upper, cos, sin, pos, slots, k_all, v_all, none, tree_mask(std::vector<int64_t>(R, 0), m, keys),
                         keys, enc_keys, enc_values, cross_mask, enc_rows, torch::tensor(real_v, lopt));
-    auto nodes = torch::empty({N, dim}, x0.options());
     for (int64_t id = 0; id < N; ++id) {
       const float* src = hu.data_ptr<float>() + (row[id] * m + index[id]) * dim;
       std::copy(src, src + dim, nodes.data_ptr<float>() + id * dim);
     }
-    out.push_back(nodes);
   }
+  out.push_back(nodes);
   return out;
 }
 
