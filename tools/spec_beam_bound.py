@@ -14,7 +14,7 @@ head and tree bookkeeping count as passes there):
 Where that bound is below a target, no bookkeeping work can reach the target with these passes; only
 cheaper passes (fewer rows, fewer trunk passes) or more committed steps (a better draft) could.
 
-    .venv/bin/python tools/spec_beam_bound.py --widen 512 8 --sentences 8 [--draft-width 4 8] [--json F]
+    .venv/bin/python tools/spec_beam_bound.py --widen 512 8 --sentences 8 [--draft-width 4 8] [--by-level] [--json F]
 """
 
 from __future__ import annotations
@@ -56,8 +56,11 @@ class PassTimer:
         # the kernels draft and verify a cycle's tree in one call: its passes are counted whole (with the
         # little tree bookkeeping done in the same C++ call), as kind "tree call"
         draft = backend.beam_draft
+        self.one_call = True  # False: the kernels' one call is declined, the tree is built level by level
 
         def timed_draft(*args, **kwargs):
+            if not self.one_call:
+                return None
             t0 = time.perf_counter()
             out = draft(*args, **kwargs)
             if out is not None:
@@ -80,6 +83,8 @@ def main() -> None:
     p.add_argument("--beam-gamma", type=int, default=1)
     p.add_argument("--draft-width", type=int, nargs="+", default=[4, 8])
     p.add_argument("--target", type=float, default=1.15, help="the speedup the bound is compared with")
+    p.add_argument("--by-level", action="store_true",
+                   help="also run each width with the tree built level by level (no one-call draft), side by side")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,8 +94,9 @@ def main() -> None:
     inputs = list(zip(setup.sources, setup.max_lengths))
     k = args.beam_size
 
-    def run(gamma: int, width: int | None) -> dict:
+    def run(gamma: int, width: int | None, by_level: bool = False) -> dict:
         kw = {} if gamma == 0 else {"draft_width": width}
+        timer.one_call = not by_level
         start = time.perf_counter()
         stats = [dec.beam_search(s, beam_size=k, gamma=gamma, max_length=n, **kw).stats for s, n in inputs]
         wall = time.perf_counter() - start
@@ -103,7 +109,9 @@ def main() -> None:
             out.update({f"{kind}_s": sec, f"{kind}_calls": calls, f"{kind}_tokens": toks})
         return out
 
-    settings = [(0, None)] + [(args.beam_gamma, w) for w in args.draft_width]
+    settings = [(0, None, False)] + [(args.beam_gamma, w, False) for w in args.draft_width]
+    if args.by_level:
+        settings += [(args.beam_gamma, w, True) for w in args.draft_width]
     dec.beam_search(inputs[0][0], beam_size=k, gamma=0, max_length=8)  # kernels, prepared weights, backend
     timer = PassTimer(dec.decoder.backend, dec.decoder.exit_layer)
     for s in settings:  # warm-up
@@ -113,17 +121,17 @@ def main() -> None:
         for s in settings:
             results[s].append(run(*s))
     med = {s: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for s, rs in results.items()}
-    plain = med[(0, None)]
+    plain = med[(0, None, False)]
     beam_step = plain["wall_s"] / plain["steps"]
     print(f"{setup.description}; {args.threads} threads, {args.reps} interleaved reps (medians)")
     print(f"beam search (K={k}): {beam_step * 1e3:.2f} ms per step, of which layer passes "
           f"{plain['layer_s'] / plain['steps'] * 1e3:.2f} ms")
     rows = []
-    for g, w in settings[1:]:
-        m = med[(g, w)]
+    for g, w, by_level in settings[1:]:
+        m = med[(g, w, by_level)]
         s = m["steps"] / m["cycles"]
         cycle, layers = m["wall_s"] / m["cycles"], m["layer_s"] / m["cycles"]
-        row = {"gamma": g, "draft_width": w, "steps_per_cycle": s, "cycle_ms": cycle * 1e3,
+        row = {"gamma": g, "draft_width": w, "by_level": by_level, "steps_per_cycle": s, "cycle_ms": cycle * 1e3,
                "layer_passes_ms": layers * 1e3, "rest_ms": (cycle - layers) * 1e3,
                "measured_speedup": plain["wall_s"] / m["wall_s"], "bound_if_rest_free": s * beam_step / layers}
         rows.append(row)
@@ -140,13 +148,13 @@ def main() -> None:
             print(f"  per cycle: trunk passes {row.get('trunk_ms_per_cycle', 0):.2f} ms ({row.get('trunk_passes_per_cycle', 0):.1f} "
                   f"passes of {row.get('trunk_tokens_per_pass', 0):.1f} tokens), verify {row.get('upper_ms_per_cycle', 0):.2f} ms "
                   f"({row.get('upper_tokens_per_pass', 0):.1f} token slots per pass)")
-        print(f"speculative beam gamma={g} W={w}: {s:.2f} steps per cycle; a cycle {cycle * 1e3:.2f} ms = layer passes "
+        print(f"speculative beam gamma={g} W={w}{' (level by level)' if by_level else ''}: {s:.2f} steps per cycle; a cycle {cycle * 1e3:.2f} ms = layer passes "
               f"{layers * 1e3:.2f} ms + rest {(cycle - layers) * 1e3:.2f} ms; measured {row['measured_speedup']:.2f}x beam "
               f"search; bound with the rest free {row['bound_if_rest_free']:.2f}x ({verdict} the {args.target:g}x target)")
     if args.json:
         out = {"setup": setup.description, "machine": machine_info("cpu"), "threads": args.threads, "reps": args.reps, "beam_size": k,
                "beam_step_ms": beam_step * 1e3, "beam_layer_ms_per_step": plain["layer_s"] / plain["steps"] * 1e3,
-               "rows": rows, "raw": {f"gamma={g},W={w}": r for (g, w), r in results.items()}}
+               "rows": rows, "raw": {f"gamma={g},W={w}{',by level' if b else ''}": r for (g, w, b), r in results.items()}}
         write_json(args.json, out)
 
 

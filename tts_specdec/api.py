@@ -177,7 +177,7 @@ class SpeculativeDecoder:
         head (draft_width W >= beam_size candidates per level, default beam_size) and verifies them in
         tree passes, with the same result; "auto" (the default, since the result is the same at every
         gamma) chooses per call between plain and speculative beam search (W: draft_width, default
-        2 * beam_size) by timing its own calls, per batch size class, kept by this object; short plain and
+        beam_size) by timing its own calls, per batch size class, kept by this object; short plain and
         speculative beam searches timed once per parameters, dtype, device, thread count, beam size and
         width seed the choice. A model without an early-exit head runs plain beam search under "auto".
 
@@ -201,7 +201,7 @@ class SpeculativeDecoder:
         if not auto:  # no level is drafted past max_length: the same search
             gamma = useful_gamma(gamma, max_length)
         draft_width = check_draft_width(draft_width, beam_size, vocab)
-        width = draft_width or (2 * beam_size if auto else beam_size)
+        width = draft_width or beam_size
         stats, modules = self._begin()
         with eval_mode(self.model, modules):
             source = prepare_source(self.model, source, self.decoder.source_type, strict=source_mask is None)
