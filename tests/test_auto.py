@@ -790,6 +790,44 @@ def test_beam_policy_times_its_calls_and_keeps_the_faster(faster):
     assert 0 < len([a for a, _ in later if a != faster]) and share(later, faster) >= 1 - 1.3 / REVISIT
 
 
+@pytest.mark.parametrize("fewer_faster", [PLAIN, SPECULATIVE])
+def test_beam_policy_with_more_rows_explores_speculation_only_where_it_won_with_fewer(fewer_faster):
+    """Speculative beam search predicted close to plain (0.94x): where plain was measured the faster at the
+    nearest smaller row class, it is not explored at this one (only revisited, later); where speculation
+    was the faster there, both are explored as usual."""
+    seed = BeamCosts(1e-3, (1.6e-3, 2.2e-3))
+    fewer = Arms(EXPLORE_CALLS)
+    for _ in range(EXPLORE_CALLS):
+        fewer.add(PLAIN, 1.0 if fewer_faster == PLAIN else 2.0, 1.0)
+        fewer.add(SPECULATIVE, 2.0 if fewer_faster == PLAIN else 1.0, 1.0)
+    table, arms = Arms(EXPLORE_CALLS), []
+    for _ in range(10):
+        policy = BeamPolicy(seed, table, (1.5, 1.9), fewer_rows=fewer)
+        arms.append(SPECULATIVE if policy.gamma() else PLAIN)
+        policy.done(50)
+    if fewer_faster == PLAIN:
+        assert arms == [PLAIN] * 10
+    else:
+        assert arms[: 2 * EXPLORE_CALLS].count(SPECULATIVE) == EXPLORE_CALLS
+
+
+def test_beam_search_explores_speculation_at_a_larger_batch_only_where_it_won_at_a_smaller(costs):
+    """End to end: once both arms ran at batch 1 and plain won, a batch of four never runs speculative beam
+    search in its first calls."""
+    costs(beam=BeamCosts(1e-3, (1.6e-3, 2.2e-3)))
+    dec = SpeculativeDecoder(make_model(12, dtype=torch.float64))
+    kw = dict(beam_size=2, max_length=12)
+    dec.beam_search(make_source(1, 7, seed=9), **kw)  # creates the tables
+    (tables,) = [t for key, t in dec.costs._arms.items() if "beam" in key]
+    for _ in range(EXPLORE_CALLS):
+        tables[1].add(PLAIN, 1.0, 1.0)
+        tables[1].add(SPECULATIVE, 3.0, 1.0)
+    four = make_source(4, 7, seed=8, lengths=[7, 5, 3, 6])
+    for _ in range(3):
+        dec.beam_search(four, **kw)
+    assert tables[4].runs == {PLAIN: 3}
+
+
 @pytest.mark.parametrize("truth", [PLAIN, SPECULATIVE])
 def test_beam_policy_revisits_what_the_seed_ruled_out(truth):
     """Speculative beam search predicted at 0.38x of plain is not explored: the first calls are all

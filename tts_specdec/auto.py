@@ -338,15 +338,22 @@ class BeamPolicy:
     Ask `gamma()` before the call and tell `done(steps)` after it."""
 
     def __init__(self, costs: BeamCosts, table: Arms, steps_per_cycle: Sequence[float],
-                 clock: Callable[[], float] | None = None, explore_all: bool = True) -> None:
+                 clock: Callable[[], float] | None = None, explore_all: bool = True,
+                 fewer_rows: Arms | None = None) -> None:
         """`explore_all=False`: only the arm predicted fastest is explored, the other only revisited (the
-        compiled path, where an arm's first call compiles its graphs: tens of seconds on a GPU)."""
+        compiled path, where an arm's first call compiles its graphs: tens of seconds on a GPU).
+        `fewer_rows`: the timed arms of the nearest smaller row class where both ran. Where plain beam
+        search was the faster there, speculative beam search is only revisited here: a batch's verify
+        passes carry more rows than its beam steps, so more rows never made speculation pay better
+        (width 512, batch 8: exploring it cost two of a job's eight calls at 0.54x)."""
         speedups = beam_speedups(costs.step, costs.cycles, steps_per_cycle)
         self.spec_gamma = 1 + max(range(len(speedups)), key=speedups.__getitem__) if speedups else 0
         predicted = {PLAIN: 1.0, SPECULATIVE: max(speedups, default=0.0)}
         self.arms = tuple(sorted(predicted, key=predicted.__getitem__, reverse=True))
         plausible = PLAUSIBLE if explore_all else 1.0
         self.explore = [arm for arm in self.arms if predicted[arm] >= plausible * predicted[self.arms[0]]]
+        if fewer_rows is not None and fewer_rows.best(self.arms) == PLAIN:
+            self.explore = [PLAIN]
         self.table = table
         self._clock = clock or time.perf_counter
         self._run: _Run | None = None

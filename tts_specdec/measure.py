@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from .auto import (
-    BEAM_PRIOR_STEPS, BEAM_PRIOR_WEIGHT, EXPLORE_CALLS, MAX_GAMMA, Arms, BeamCosts, BeamPolicy, CostModel, row_class,
+    BEAM_PRIOR_STEPS, BEAM_PRIOR_WEIGHT, EXPLORE_CALLS, MAX_GAMMA, PLAIN, SPECULATIVE, Arms, BeamCosts, BeamPolicy,
+    CostModel, row_class,
 )
 from .beam import beam_search_loop, encode_beams
 from .decoder import Decoder
@@ -69,14 +70,16 @@ class Costs:
     def beam_policy(self, dec: Decoder, batch: int, beam_size: int, draft_width: int, guided: bool) -> BeamPolicy:
         """gamma="auto" for a beam search call: seeded by `beam`, timed per batch's row class."""
         tables = _kept(self._arms, (self.key(dec), "beam", beam_size, draft_width, guided), dict)
-        table = tables.setdefault(row_class(batch), Arms(EXPLORE_CALLS))
+        rows = row_class(batch)
+        table = tables.setdefault(rows, Arms(EXPLORE_CALLS))
+        timed = [c for c, t in tables.items() if c < rows and {PLAIN, SPECULATIVE} <= set(t.sums)]
         steps = []
         for gamma in BEAM_GAMMAS:
             committed, cycles = self._beam_steps.get(gamma, (0.0, 0.0))
             prior = BEAM_PRIOR_STEPS[min(gamma, len(BEAM_PRIOR_STEPS)) - 1]
             steps.append((committed + BEAM_PRIOR_WEIGHT * prior) / (cycles + BEAM_PRIOR_WEIGHT))
         return BeamPolicy(self.beam(dec, beam_size, draft_width), table, steps,
-                          explore_all=not dec.backend.static_shapes)
+                          explore_all=not dec.backend.static_shapes, fewer_rows=tables[max(timed)] if timed else None)
 
     def observe_beam(self, gamma: int, committed_hist: list[int]) -> None:
         """What an auto speculative beam search at `gamma` committed per cycle ([k] = cycles committing k)."""
