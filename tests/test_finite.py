@@ -137,6 +137,8 @@ def test_nan_logits_of_one_row_at_one_step(mode, path, cond_scale, monkeypatch):
     """Exactly that row and step, whatever the other rows do and however far speculation runs ahead."""
     if path == "kernels" and mode in ("greedy", "sample"):
         pytest.skip("the kernels' plain steps run their layers in C++ (test_nan_from_a_position)")
+    if path == "kernels" and mode == "spec-beam" and cond_scale == 1.0:
+        pytest.skip("the kernels draft and verify an unguided tree in one C++ call (test_nan_from_a_position)")
     inject_nan_output(monkeypatch, row=2, position=5)
     e = raised(make_model(0, eos=False, cond_drop_prob=0.5), make_source(3, 6), mode, path, cond_scale=cond_scale)
     assert (e.row, e.step, e.head) == (2, 5, "target")
