@@ -459,6 +459,7 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   TORCH_CHECK(emb.dim() == 2 && emb.size(1) == dim && emb.is_contiguous() && emb.scalar_type() == at::kFloat,
               "emb: contiguous float32 (tokens, dim)");
   TORCH_CHECK(levels >= 1 && width >= 1 && temperature >= 0.0, "levels >= 1, width >= 1, temperature >= 0");
+  TORCH_CHECK(upper >= last, "upper: at or above last");
   const int64_t M = 1 + levels * width;
   const float inv_t = temperature == 1.0 ? 1.0f : float(1.0 / std::max(temperature, 1e-10));
   const auto lopt = t.options();
@@ -522,7 +523,7 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
       if (eos >= 0 && eos < V) o[eos] = -std::numeric_limits<float>::infinity();
     }
     // every item's `take` best candidates (parent score + log-prob), best first
-    std::vector<int64_t> prow, pidx, ptok, ploc;
+    std::vector<int64_t> ptok, ploc;
     std::vector<float> pscore;
     cand.resize(per * V);
     order.resize(per * V);
@@ -601,14 +602,11 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   auto pack = [&](const std::vector<int64_t>& v) { return torch::tensor(v, lopt); };
   std::vector<torch::Tensor> out{hs, anc_t, depth_t, pack(count), pack(row), pack(index), pack(parent), pack(token),
                                  pack(path).view({N, levels})};
-  TORCH_CHECK(upper >= last, "upper: at or above last");
-  auto nodes = torch::empty({N, dim}, x0.options());
-  if (upper == last) {  // no layer above the exit: the exit states are the target's
-    for (int64_t id = 0; id < N; ++id) {
-      const float* src = hs.data_ptr<float>() + (row[id] * M + index[id]) * dim;
-      std::copy(src, src + dim, nodes.data_ptr<float>() + id * dim);
-    }
-  } else {  // the verify pass over every node, rows padded to the fullest
+  // the verify pass's outputs by row and index, `stride` indexes a row (no layer above the exit: the exit
+  // states are the target's)
+  torch::Tensor by_row = hs;
+  int64_t stride = M;
+  if (upper > last) {  // the verify pass over every node, rows padded to the fullest
     const int64_t m = *std::max_element(count.begin(), count.end());
     auto x = hs.narrow(1, 0, m).reshape({R * m, dim}).contiguous();
     auto pos = torch::empty({R, m}, lopt), slots = torch::empty({R, m}, lopt);
@@ -620,12 +618,14 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
         if (j < count[r]) real_v.push_back(r * m + j);
       }
     const int64_t keys = *std::max_element(tp, tp + R) + m;
-    auto hu = stack.run(x, last, upper, cos, sin, pos, slots, k_all, v_all, none, tree_mask(std::vector<int64_t>(R, 0), m, keys),
-                        keys, enc_keys, enc_values, cross_mask, enc_rows, torch::tensor(real_v, lopt));
-    for (int64_t id = 0; id < N; ++id) {
-      const float* src = hu.data_ptr<float>() + (row[id] * m + index[id]) * dim;
-      std::copy(src, src + dim, nodes.data_ptr<float>() + id * dim);
-    }
+    by_row = stack.run(x, last, upper, cos, sin, pos, slots, k_all, v_all, none, tree_mask(std::vector<int64_t>(R, 0), m, keys),
+                       keys, enc_keys, enc_values, cross_mask, enc_rows, torch::tensor(real_v, lopt));
+    stride = m;
+  }
+  auto nodes = torch::empty({N, dim}, x0.options());
+  for (int64_t id = 0; id < N; ++id) {
+    const float* src = by_row.data_ptr<float>() + (row[id] * stride + index[id]) * dim;
+    std::copy(src, src + dim, nodes.data_ptr<float>() + id * dim);
   }
   out.push_back(nodes);
   return out;
