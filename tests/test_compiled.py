@@ -88,6 +88,30 @@ def test_plain_sampling_draws_as_step_by_step(models, compiled, source, monkeypa
     assert_same_tokens(out.tokens, ref.tokens)
 
 
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.0, gamma=0), dict(temperature=0.8, top_k=5, gamma=0),
+                                    dict(temperature=0.8, gamma=3), dict(temperature=0.0, gamma=4, draft_confidence=0.6),
+                                    dict(temperature=0.8, gamma=4, draft_confidence=0.6)],
+                         ids=["greedy", "sample", "spec-sample", "spec-greedy-stops", "spec-sample-stops"])
+def test_recorded_runs_decode_as_graph_per_step(models, compiled, source, kwargs):
+    """Runs recorded as one CUDA graph (plain runs, draft phases) keep their own input buffers, refilled
+    each call, and draw a run's noise before it: off CUDA the same buffers and code run unrecorded, and
+    give the tokens of one graph per step from the same seed (guidance on, ragged rows); a second decode
+    reuses the first one's runs."""
+    kwargs = dict(kwargs, cond_scale=2.0, max_length=MAX_LEN)
+    dec = SpeculativeDecoder(models["cfg"], compile=BACKEND)
+    dec.sample(source[:1], **dict(kwargs, max_length=2))  # the backend is chosen on the first call
+    backend = dec.decoder.backend
+    backend.record_runs = True
+    ref = compiled["cfg"].sample(source, generator=torch.Generator().manual_seed(4), **kwargs)
+    out = dec.sample(source, generator=torch.Generator().manual_seed(4), **kwargs)
+    assert_same_tokens(out.tokens, ref.tokens)
+    runs = dict(backend._runs)
+    assert runs
+    again = dec.sample(source, generator=torch.Generator().manual_seed(4), **kwargs)
+    assert_same_tokens(again.tokens, ref.tokens)
+    assert all(backend._runs[k] is r for k, r in runs.items())
+
+
 def test_seeded_sampling_repeats(compiled, source):
     runs = [compiled["cfg"].sample(source, temperature=0.8, top_k=5, gamma=0, cond_scale=2.0, max_length=MAX_LEN,
                                    generator=torch.Generator().manual_seed(9)).tokens for _ in range(2)]

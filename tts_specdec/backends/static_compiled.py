@@ -21,9 +21,11 @@ found on the device after gamma draft steps (`StaticCompiled.draft_phase`).
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,12 @@ RECOMPILE_LIMIT = 64
 MIN_CAPACITY = 64
 # cache buffers kept for the next decode, by shape (the most recent shapes)
 POOLED_SHAPES = 8
+# On CUDA a run of steps (a plain run, a draft phase) is recorded as one CUDA graph and replayed: one
+# launch per run. Replaying one graph per step costs the host a Python call, dynamo's guards and input
+# copies every step, and the shipped model's step is under a millisecond of device time (H100 profile,
+# docs/gpu.md). TTS_SPECDEC_RECORD_RUNS=0 replays one graph per step instead (to compare).
+RECORD_RUNS = os.environ.get("TTS_SPECDEC_RECORD_RUNS", "1") != "0"
+RECORDED = 16  # recorded runs kept (each holds its graph and its memory), the most recently used
 
 
 @dataclass(frozen=True)
@@ -207,6 +215,11 @@ def _run(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads
     return torch.mm(_unit(h.reshape(-1, h.shape[-1])), w.target).view(*h.shape[:2], -1)
 
 
+def _exit_states(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, stop):
+    """The draft phase's last pass: layers below the exit on the pending input x (rows, 1, dim)."""
+    return _layers(w, range(stop), x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
+
+
 def _tree(w, x, pos, slots, allowed, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, first, stop):
     """A speculative beam tree pass: layers first..stop-1 on the nodes x (rows, n, dim) at rotary positions
     pos (their depths), written at `slots`, each seeing the slots `allowed` marks (prefix and ancestors)."""
@@ -228,6 +241,10 @@ class StaticCompiled(TorchEager):
         self.compile_backend = compile_backend
         self.w = _weights_of(dec)
         self._graphs: dict[tuple, Callable] = {}
+        self._runs: OrderedDict[tuple, _Run] = OrderedDict()
+        # None: record runs where that is what makes them fast (CUDA, inductor); True off CUDA runs the same
+        # buffers and code without recording (what the CPU tests check); False: a graph per step
+        self.record_runs: bool | None = None if RECORD_RUNS else False
         self._pool = BufferPool(POOLED_SHAPES)
         if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
             torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
@@ -251,6 +268,8 @@ class StaticCompiled(TorchEager):
         graph = self._graphs.get(key)
         if graph is None:
             mode = "reduce-overhead" if device.type == "cuda" and self.compile_backend == "inductor" else None
+            if fn in _IN_RUNS and self._records(device):
+                mode = None  # the run's recorded graph holds this function's kernels
             # a code object of its own per key: dynamo's cache (and its recompile limit) is per code object
             code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(self._graphs)}")
             own = type(fn)(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
@@ -281,31 +300,42 @@ class StaticCompiled(TorchEager):
         cos_t, sin_t = dec._rope
         return k_all, v_all, enc_k, enc_v, enc.mask, cos_t[: cache.capacity], sin_t[: cache.capacity]
 
-    def _noise(self, cfg: SamplingConfig, generator: torch.Generator | None, seqs: int, x: Tensor) -> Tensor | None:
-        """The exponential race's numbers for one step, drawn as `sampling.draw` draws them."""
-        if cfg.greedy:
-            return None
-        race = torch.empty(seqs, self.dec.vocab_size, dtype=x.dtype, device=x.device).exponential_(generator=generator)
+    def _noise(self, cfg: SamplingConfig, generator: torch.Generator | None, shape: tuple[int, int], x: Tensor,
+               out: Tensor | None = None) -> Tensor:
+        """The exponential race's numbers for `shape` (steps, seqs) steps, each step's drawn as
+        `sampling.draw` draws one step's (into `out` when given)."""
+        race = x.new_empty(*shape, self.dec.vocab_size) if out is None else out
+        for step in race:
+            step.exponential_(generator=generator)
         return race.clamp_min_(torch.finfo(race.dtype).tiny)
 
     def plain_steps(
         self, x: Tensor, pos: Tensor, steps: int, cfg: SamplingConfig, generator: torch.Generator | None,
         enc: Encoded, cache: KVCache, cond_scale: float = 1.0,
     ) -> tuple[Tensor, Tensor]:
-        """`steps` steps for every row, one compiled graph each, nothing read back: the caller checks for
-        EOS once per call and discards what follows it."""
+        """`steps` steps for every row, nothing read back (the caller checks for EOS once per call and
+        discards what follows it): one recorded graph on CUDA, else one compiled graph per step."""
         dec, guided = self.dec, enc.guided
         inputs = self._inputs(enc, cache)
-        step = self._graph(_plain_step, x.device, heads=dec.heads, cfg=_key(cfg), guided=guided,
-                           scale=float(cond_scale) if guided else 1.0)
-        row_pos, x = dec.per_row(pos, guided), x.contiguous()  # inputs as every later step's: one graph
-        tokens = []
-        for _ in range(steps):
-            token, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, generator, pos.numel(), x), *inputs)
-            tokens.append(token)
+        static = dict(heads=dec.heads, cfg=_key(cfg), guided=guided, scale=float(cond_scale) if guided else 1.0)
+        step = self._graph(_plain_step, x.device, **static)
+        fixed = (inputs[0], inputs[1], inputs[5], inputs[6])
+
+        def run(x: Tensor, row_pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None,
+                noise: Tensor | None) -> tuple[Tensor, Tensor]:
+            tokens = []
+            for i in range(steps):
+                token, x, row_pos = step(self.w, x, row_pos, None if noise is None else noise[i], fixed[0], fixed[1],
+                                         enc_k, enc_v, enc_mask, fixed[2], fixed[3])
+                tokens.append(token)
+            return torch.stack(tokens, dim=1), x
+
+        # inputs as every later step's (one graph): x contiguous, positions per cache row
+        copied = (x.contiguous(), dec.per_row(pos, guided), *inputs[2:5])
+        out = self._run_steps(("plain", steps, *static.items()), run, copied, fixed, cfg, generator, steps, pos.numel())
         for i in range(dec.depth):
             dec.layer_evals[i] += x.shape[0] * steps
-        return torch.stack(tokens, dim=1), x
+        return out
 
     def draft_phase(
         self, x: Tensor, pos: Tensor, gamma: int, cfg: SamplingConfig, generator: torch.Generator | None,
@@ -320,29 +350,70 @@ class StaticCompiled(TorchEager):
         exact: the output law is the target's)."""
         dec, guided = self.dec, enc.guided
         inputs = self._inputs(enc, cache)
-        static = dict(heads=dec.heads, guided=guided, scale=float(cond_scale) if guided else 1.0)
-        step = self._graph(_draft_step, x.device, exit_layer=dec.exit_layer, cfg=_key(cfg),
-                           stops=confidence is not None, **static)
-        row_pos, x = dec.per_row(pos, guided), x.contiguous()
-        exits, qs, drafts, confs = [], [], [], []
-        for _ in range(gamma):
-            h, token, q, conf, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, generator, pos.numel(), x),
-                                                 *inputs)
-            exits.append(h)
-            drafts.append(token)
-            if q is not None:
-                qs.append(q)
-            if conf is not None:
-                confs.append(conf)
-        tail = self._graph(_run, x.device, heads=dec.heads, first=0, stop=dec.exit_layer, head=False)
-        exits.append(tail(self.w, x, row_pos[:, None], *inputs))
+        stops = confidence is not None
+        step = self._graph(_draft_step, x.device, heads=dec.heads, exit_layer=dec.exit_layer, cfg=_key(cfg),
+                           stops=stops, guided=guided, scale=float(cond_scale) if guided else 1.0)
+        tail = self._graph(_exit_states, x.device, heads=dec.heads, stop=dec.exit_layer)
+        fixed = (inputs[0], inputs[1], inputs[5], inputs[6])
+
+        def run(x: Tensor, row_pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None,
+                noise: Tensor | None) -> tuple:
+            layer_inputs = (fixed[0], fixed[1], enc_k, enc_v, enc_mask, fixed[2], fixed[3])
+            exits, qs, drafts, confs = [], [], [], []
+            for i in range(gamma):
+                h, token, q, conf, x, row_pos = step(self.w, x, row_pos, None if noise is None else noise[i],
+                                                     *layer_inputs)
+                exits.append(h)
+                drafts.append(token)
+                if q is not None:
+                    qs.append(q)
+                if conf is not None:
+                    confs.append(conf)
+            exits.append(tail(self.w, x, row_pos[:, None], *layer_inputs))
+            limit = None
+            if stops:
+                below = torch.stack(confs, dim=1).to(torch.float64) < confidence
+                limit = torch.where(below.any(dim=1), below.to(torch.int8).argmax(dim=1) + 1, gamma)
+            return torch.cat(exits, dim=1), torch.stack(qs, dim=1) if qs else None, torch.stack(drafts, dim=1), limit
+
+        copied = (x.contiguous(), dec.per_row(pos, guided), *inputs[2:5])
+        key = ("draft", gamma, confidence, guided, float(cond_scale) if guided else 1.0, _key(cfg))
+        out = self._run_steps(key, run, copied, fixed, cfg, generator, gamma, pos.numel())
         for i in range(dec.exit_layer):
             dec.layer_evals[i] += x.shape[0] * (gamma + 1)
-        limit = None
-        if confidence is not None:
-            below = torch.stack(confs, dim=1).to(torch.float64) < confidence
-            limit = torch.where(below.any(dim=1), below.to(torch.int8).argmax(dim=1) + 1, gamma)
-        return torch.cat(exits, dim=1), torch.stack(qs, dim=1) if qs else None, torch.stack(drafts, dim=1), limit
+        return out
+
+    def _records(self, device: torch.device) -> bool:
+        if self.record_runs is None:
+            return device.type == "cuda" and self.compile_backend == "inductor"
+        return self.record_runs
+
+    def _run_steps(self, key: tuple, run: Callable[..., Any], copied: tuple, fixed: tuple, cfg: SamplingConfig,
+             generator: torch.Generator | None, steps: int, seqs: int) -> Any:
+        """run(*copied, noise): a run of steps, noise (steps, seqs, vocab) drawn first, in order, as
+        `sampling.draw` draws one step's (greedy: None). Recorded runs (`_records`) keep their own copies of
+        `copied` (refilled every call) and read `fixed` where they were recorded: its addresses are part of
+        the run's key (the cache's pooled buffers and the rotary tables keep theirs from call to call)."""
+        device = copied[0].device
+        if not self._records(device):
+            noise = None if cfg.greedy else self._noise(cfg, generator, (steps, seqs), copied[0])
+            return run(*copied, noise)
+        key = (*key, *(_layout(t, False) for t in copied), *(_layout(t, True) for t in fixed))
+        rec = self._runs.get(key)
+        if rec is None:
+            noise = None if cfg.greedy else copied[0].new_empty(steps, seqs, self.dec.vocab_size)
+            rec = _Run(run, tuple(None if t is None else t.clone() for t in copied) + (noise,))
+            self._runs[key] = rec
+            while len(self._runs) > RECORDED:
+                self._runs.popitem(last=False)
+        else:
+            self._runs.move_to_end(key)
+            for mine, t in zip(rec.inputs, copied):
+                if mine is not None:
+                    mine.copy_(t)
+        if rec.inputs[-1] is not None:
+            self._noise(cfg, generator, (steps, seqs), copied[0], out=rec.inputs[-1])
+        return rec(device.type == "cuda")
 
     def run_layers(
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
@@ -380,6 +451,38 @@ class StaticCompiled(TorchEager):
         return graph(self.w, x.contiguous(), pos.contiguous(), *inputs)
 
 
+class _Run:
+    """A run of compiled steps on its own input buffers (`inputs`), recorded as one CUDA graph on its first
+    call and replayed after (off CUDA: run again each call, on the same buffers)."""
+
+    def __init__(self, run: Callable[..., Any], inputs: tuple) -> None:
+        self.run, self.inputs = run, inputs
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: Any = None
+
+    def __call__(self, record: bool) -> Any:
+        if not record:
+            return self.run(*self.inputs)
+        if self.graph is None:
+            # once outside the capture (compiles, tunes, sets up cuBLAS on this stream): it writes the cache
+            # slots the replay writes, from the same inputs, and the replay rewrites each before it reads it
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.run(*self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.run(*self.inputs)
+        self.graph.replay()
+        # the outputs live in the graph's memory and the next replay overwrites them
+        return tuple(None if t is None else t.clone() for t in self.out)
+
+
+def _layout(t: Tensor | None, address: bool) -> tuple | None:
+    return None if t is None else (t.data_ptr() if address else None, t.shape, t.stride(), t.dtype)
+
+
 def _replay(graph: Callable, *args) -> tuple | Tensor:
     """A CUDA graph's call: its outputs live in the graph's memory and the next replay overwrites them
     (as gpt-fast does, what is kept or fed back is cloned)."""
@@ -388,6 +491,10 @@ def _replay(graph: Callable, *args) -> tuple | Tensor:
     if isinstance(out, Tensor):
         return out.clone()
     return tuple(None if t is None else t.clone() for t in out)
+
+
+# the step functions a recorded run calls: compiled without CUDA graphs of their own there
+_IN_RUNS = (_plain_step, _draft_step, _exit_states)
 
 
 def _key(cfg: SamplingConfig) -> SamplingConfig:

@@ -1,0 +1,114 @@
+"""Where a compiled decode spends its time on a GPU: per mode, tokens/s and a torch.profiler table.
+
+For each mode (plain sampling, speculative sampling, beam search, speculative beam search; batch 1, the
+shipped model unless --widen), on `SpeculativeDecoder(model, compile=True)`: compile and warm up, time
+--reps decodes of one sentence, then profile one more. Prints per mode the tokens/s, the wall time and the
+GPU's busy time per generated token (busy << wall: the host or a read-back is the bound; busy ~ wall: the
+device is), and the ops that take the most device and host time. With --out DIR the profiler tables and a
+JSON of the figures are written there.
+
+    python tools/gpu_profile.py --modes sample spec_sample beam spec_beam --profile --out /tmp/prof
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tts_specdec import SpeculativeDecoder  # noqa: E402
+from tts_specdec.speech import load_default  # noqa: E402
+
+TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
+MODES = {
+    "sample": lambda d, g: d.sample([TEXT], temperature=1.0, gamma=0, max_length=424, generator=g),
+    "spec_sample": lambda d, g: d.sample([TEXT], temperature=1.0, gamma=4, max_length=424, generator=g),
+    "greedy": lambda d, g: d.sample([TEXT], temperature=0.0, gamma=0, max_length=424),
+    "spec_greedy": lambda d, g: d.sample([TEXT], temperature=0.0, gamma=4, max_length=424),
+    "beam": lambda d, g: d.beam_search([TEXT], beam_size=4, gamma=0, max_length=424),
+    "spec_beam": lambda d, g: d.beam_search([TEXT], beam_size=4, gamma=1, draft_width=8, max_length=424),
+}
+
+
+def tokens_of(out) -> int:
+    return int(out.stats.generated_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of this script (no device times)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: a quick dry run)")
+    p.add_argument("--profile", action="store_true", help="also profile one decode per mode")
+    p.add_argument("--rows", type=int, default=20, help="ops listed per table")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model = load_default().model.to(args.device).eval()
+    dec = SpeculativeDecoder(model, compile=True if args.backend == "inductor" else args.backend)
+    report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__, "modes": {}}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.modes:
+        run = MODES[name]
+        g = torch.Generator(device=args.device)
+        t0 = time.perf_counter()
+        g.manual_seed(0)
+        run(dec, g)
+        sync()
+        warm = time.perf_counter() - t0
+        g.manual_seed(0)
+        run(dec, g)  # a second call: CUDA graphs are recorded on the first replays
+        seconds, tokens = 0.0, 0
+        for rep in range(args.reps):
+            g.manual_seed(rep)
+            sync()
+            t = time.perf_counter()
+            out = run(dec, g)
+            sync()
+            seconds += time.perf_counter() - t
+            tokens += tokens_of(out)
+        fig = {"first_call_s": warm, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        report["modes"][name] = fig
+        print(f"\n== {name}: {fig['tokens_per_s']:.1f} tokens/s ({tokens} tokens in {args.reps} decodes, first call "
+              f"{warm:.1f} s)", flush=True)
+        if not args.profile:
+            continue
+        g.manual_seed(0)
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            sync()
+            t = time.perf_counter()
+            out = run(dec, g)
+            sync()
+            wall = time.perf_counter() - t
+        n = tokens_of(out)
+        events = prof.key_averages()
+        # kernels and copies only (a compiled graph's own event spans its kernels: not counted twice)
+        busy_us = sum(e.self_device_time_total for e in events if not e.key.startswith("## Call"))
+        fig.update(profiled_tokens=n, profiled_wall_ms_per_token=1e3 * wall / n,
+                   device_ms_per_token=busy_us / 1e3 / n)
+        print(f"profiled (the profiler slows the host): wall {fig['profiled_wall_ms_per_token']:.3f} ms/token, "
+              f"kernels {fig['device_ms_per_token']:.3f} ms/token", flush=True)
+        by_dev = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=args.rows)
+        by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows)
+        print(by_dev, flush=True)
+        print(by_cpu, flush=True)
+        if args.out:
+            (args.out / f"{name}.txt").write_text(by_dev + "\n" + by_cpu)
+    if args.out:
+        (args.out / "profile.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
