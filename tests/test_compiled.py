@@ -105,10 +105,13 @@ def test_recorded_runs_decode_as_graph_per_step(models, compiled, source, kwargs
     ref = compiled["cfg"].sample(source, generator=torch.Generator().manual_seed(4), **kwargs)
     out = dec.sample(source, generator=torch.Generator().manual_seed(4), **kwargs)
     assert_same_tokens(out.tokens, ref.tokens)
+    assert out.stats.layer_evals == ref.stats.layer_evals
     runs = dict(backend._runs)
-    assert runs
+    kinds = {k[0] for k in runs}
+    assert kinds == ({"cycle"} if kwargs["gamma"] else {"plain"}), kinds  # a cycle's draft phase is in it
     again = dec.sample(source, generator=torch.Generator().manual_seed(4), **kwargs)
     assert_same_tokens(again.tokens, ref.tokens)
+    assert again.stats.layer_evals == ref.stats.layer_evals
     assert all(backend._runs[k] is r for k, r in runs.items())
 
 

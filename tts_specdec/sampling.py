@@ -74,16 +74,34 @@ def probabilities(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     return filter_logits(logits, cfg).softmax(dim=-1)
 
 
-def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def draw(probs: Tensor, generator: torch.Generator | None = None, race: Tensor | None = None) -> Tensor:
     """One token per row of probs (..., V) -> (...), exactly distributed as probs.
 
     Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) iid is token i with probability p_i
     (the Gumbel-max trick without logarithms). Three small kernels, cheaper on CPU than
     torch.multinomial, whose per-call cost is a visible share of a decoding step.
+    race: the E_i when drawn already (`Draws.exponential`), else drawn here from `generator`.
     """
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    race.clamp_min_(torch.finfo(race.dtype).tiny)  # a zero draw would make 0/0 = NaN win argmax
+    if race is None:
+        race = torch.empty_like(probs).exponential_(generator=generator)
+    race = race.clamp_min(torch.finfo(race.dtype).tiny)  # a zero draw would make 0/0 = NaN win argmax
     return (probs / race).argmax(dim=-1)
+
+
+class Draws:
+    """A decode's random numbers, drawn from `generator` in the order they are asked for, each as the
+    torch call named draws it (`exponential`: Tensor.exponential_, `rand`: torch.rand). A recorded CUDA
+    graph draws nothing itself: its runs ask a subclass that hands out buffers refilled before each
+    replay, in the same order (`backends.static_compiled`)."""
+
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
+
+    def exponential(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        return like.new_empty(shape).exponential_(generator=self.generator)
+
+    def rand(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        return like.new_empty(shape).uniform_(generator=self.generator)
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:
@@ -100,7 +118,8 @@ class Acceptance:
 
 
 def speculative_accept(
-    p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Generator | None = None, limit: Tensor | None = None
+    p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Generator | None = None, limit: Tensor | None = None,
+    draws: Draws | None = None,
 ) -> Acceptance:
     """Leviathan et al. 2022, Algorithm 1, per row.
 
@@ -111,17 +130,19 @@ def speculative_accept(
     limit: (rows,) drafts each row actually proposes (<= gamma; default all). A row's drafts past
     its limit are ignored and its bonus token is drawn from p at its limit, so every row is
     Algorithm 1 with its own gamma. A negative draft (`finite.NONFINITE`: its q was not finite) is
-    rejected.
+    rejected. Random numbers: u (rows, gamma), then the race of `draw` (rows, V), from `draws` (default:
+    drawn from `generator`).
     On float32 CPU tensors with the kernels the rule runs in one call (`kernels.speculative_accept`)
     on the same random numbers; these torch ops are its reference (and the path everywhere else).
     """
     rows, gamma = drafts.shape
     if p.shape[:2] != (rows, gamma + 1) or q.shape[:2] != (rows, gamma):
         raise ValueError(f"shapes disagree: p {tuple(p.shape)}, q {tuple(q.shape)}, drafts {tuple(drafts.shape)}")
-    u = torch.rand(rows, gamma, generator=generator, device=p.device, dtype=p.dtype)
+    draws = Draws(generator) if draws is None else draws
+    u = draws.rand((rows, gamma), p)
+    race = draws.exponential((rows, p.shape[-1]), p)
     if kernels.available(p.device, p.dtype) and q.dtype == p.dtype:
-        # the same rule in one call on the same random numbers (u, then the race of `draw`)
-        race = torch.empty(rows, p.shape[-1], device=p.device, dtype=p.dtype).exponential_(generator=generator)
+        # the same rule in one call on the same random numbers
         return Acceptance(*kernels.speculative_accept(p, q, drafts, u, race, limit))
     tokens = drafts.clamp_min(0)[..., None]
     px = p[:, :gamma].gather(-1, tokens)[..., 0]
@@ -135,7 +156,7 @@ def speculative_accept(
     accepted = torch.cumprod(keep.long(), dim=1).sum(dim=1)
     q_pad = F.pad(q, (0, 0, 0, 1))  # q is zero past the drafts: the bonus position samples from p itself
     dist = residual(p[torch.arange(rows), accepted], q_pad[torch.arange(rows), accepted])
-    return Acceptance(accepted, draw(dist, generator))
+    return Acceptance(accepted, draw(dist, race=race))
 
 
 def greedy_accept(target_tokens: Tensor, drafts: Tensor, limit: Tensor | None = None) -> Acceptance:

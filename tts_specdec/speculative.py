@@ -28,7 +28,7 @@ from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .finite import NONFINITE, NONFINITE_DRAFT, first_marked
 from .results import DecodeStats
-from .sampling import Acceptance, SamplingConfig, cfg_mix, draw, greedy_accept, probabilities, speculative_accept
+from .sampling import Acceptance, Draws, SamplingConfig, cfg_mix, draw, greedy_accept, probabilities, speculative_accept
 from .timing import PhaseClock
 
 
@@ -182,38 +182,61 @@ def sample_loop(
 def _cycle(
     dec: Decoder, x0: Tensor, pos_t: Tensor, gamma: int, upper: range, enc, cache, cfg: SamplingConfig,
     generator: torch.Generator | None, guide: _Guidance, draft_confidence: float | None, stats: DecodeStats,
-    clock: PhaseClock,
+    clock: PhaseClock, recorded: bool = True,
 ) -> tuple[list[list[int]], Tensor, list[int], list[int] | None, Tensor]:
     """One draft -> verify -> accept cycle (gamma = 0: one plain step) from each row's pending input x0
     (rows, 1, dim) at pos_t; returns each sequence's new tokens (accepted drafts, then the correction or
     bonus token), the next pending input, each sequence's accepted and proposed drafts (None without
-    drafts), and on the device how many tokens each sequence took (accepted + 1)."""
+    drafts), and on the device how many tokens each sequence took (accepted + 1).
+    recorded: let a backend that records cycles run the device part as one graph (`Backend.run_cycle`;
+    the whole cycle then counts as verify time); False: step by step, the draft phase timed on its own."""
+    recorded = recorded and dec.backend.records(x0.device)
     t0 = clock.mark()
-    start = dec.start_of(pos_t, guide.on)
-    # draft: gamma tokens from the exit head, keeping every exit state for the target
-    # limit: per-row draft counts, only when rows may stop early
-    x, q, drafts, limit = x0, None, None, None
-    if gamma:
-        x, q, drafts, limit = dec.backend.draft_phase(x0, pos_t, gamma, cfg, generator, enc, cache,
-                                                      confidence=draft_confidence, cond_scale=guide.draft_scale)
-    t1 = clock.mark()
-    # verify: the layers above the exit on all gamma + 1 positions at once
-    target_logits = guide.target(dec.backend.verify(x, start, upper, enc, cache))
-    # accept: rows keep different numbers of drafts (a NONFINITE draft is rejected)
-    acc = _accept(target_logits, drafts, q, cfg, generator, limit)
-    clock.add("draft", t0, t1)
-    clock.add("verify", t1, clock.mark())
-    # one read-back: accepted, next token, each verified position's logit sum (in float64: NaN or +-inf
-    # exactly where a logit is; the counts and tokens are exact too), the drafts and each row's proposed count
-    sums = target_logits.sum(dim=-1, dtype=torch.float64)
-    n, s = sums.shape[1], 0 if drafts is None else drafts.shape[1]
-    parts = [acc.accepted[:, None], acc.next_token[:, None], sums] + [t for t in (drafts, limit) if t is not None]
-    read = torch.cat([t.to(sums.dtype).view(sums.shape[0], -1) for t in parts], dim=1).tolist()
+    marks = [t0]
+    # the read-back's layout: verified positions, drafts, a proposed count; a replayed graph runs no
+    # Python, and a backend that replays one drafts all gamma with static shapes
+    layout = {"n": gamma + 1, "s": gamma, "limit": bool(gamma) and draft_confidence is not None}
+
+    def device_part(x0: Tensor, pos_t: Tensor, enc: Encoded) -> tuple[Tensor, Tensor, Tensor]:
+        """Draft, verify, accept: (the one read-back, the next pending input, each row's advance)."""
+        start = dec.start_of(pos_t, guide.on)
+        # draft: gamma tokens from the exit head, keeping every exit state for the target
+        # limit: per-row draft counts, only when rows may stop early
+        x, q, drafts, limit = x0, None, None, None
+        if gamma:
+            x, q, drafts, limit = dec.backend.draft_phase(x0, pos_t, gamma, cfg, generator, enc, cache,
+                                                          confidence=draft_confidence, cond_scale=guide.draft_scale)
+        if not recorded:
+            marks.append(clock.mark())
+        # verify: the layers above the exit on all gamma + 1 positions at once
+        target_logits = guide.target(dec.backend.verify(x, start, upper, enc, cache))
+        # accept: rows keep different numbers of drafts (a NONFINITE draft is rejected)
+        acc = _accept(target_logits, drafts, q, cfg, dec.backend.draws(generator), limit)
+        # one read-back: accepted, next token, each verified position's logit sum (in float64: NaN or
+        # +-inf exactly where a logit is; the counts and tokens are exact too), the drafts and each row's
+        # proposed count
+        sums = target_logits.sum(dim=-1, dtype=torch.float64)
+        layout.update(n=sums.shape[1], s=0 if drafts is None else drafts.shape[1], limit=limit is not None)
+        parts = [acc.accepted[:, None], acc.next_token[:, None], sums] + [t for t in (drafts, limit) if t is not None]
+        read = torch.cat([t.to(sums.dtype).view(sums.shape[0], -1) for t in parts], dim=1)
+        return read, dec.embed(acc.next_token[:, None], guide.on), acc.accepted + 1
+
+    if recorded:
+        key = ("cycle", gamma, upper.start, upper.stop, cfg, guide.on, guide.scale, guide.draft_scale, draft_confidence)
+        read, x_next, advance = dec.backend.run_cycle(device_part, key, x0, pos_t, enc, cache, generator)
+        end = clock.mark()
+        clock.add("verify", t0, end)
+    else:
+        read, x_next, advance = device_part(x0, pos_t, enc)
+        clock.add("draft", t0, marks[1])
+        clock.add("verify", marks[1], clock.mark())
+    n, s = layout["n"], layout["s"]
+    read = read.tolist()
     accepted = [int(r[0]) for r in read]
     drafted = [[int(v) for v in r[2 + n : 2 + n + s]] for r in read]
     proposed = None  # drafts each row proposed this cycle
-    if drafts is not None:
-        proposed = [int(r[-1]) for r in read] if limit is not None else [s] * len(accepted)
+    if gamma:
+        proposed = [int(r[-1]) for r in read] if layout["limit"] else [s] * len(accepted)
     _count(stats, accepted, proposed, s, gamma)
     new = []
     for r, (d, k, row) in enumerate(zip(drafted, accepted, read)):
@@ -228,7 +251,7 @@ def _cycle(
                 new.append(d[:j] + [NONFINITE_DRAFT])
                 continue
         new.append(d[:k] + [int(row[1])] if bad is None else d[:bad] + [NONFINITE])
-    return new, dec.embed(acc.next_token[:, None], guide.on), accepted, proposed, acc.accepted + 1
+    return new, x_next, accepted, proposed, advance
 
 
 def probe_cycle(dec: Decoder, x: Tensor, pos: Tensor, gamma: int, enc: Encoded, cache: KVCache) -> float:
@@ -237,23 +260,23 @@ def probe_cycle(dec: Decoder, x: Tensor, pos: Tensor, gamma: int, enc: Encoded, 
     same slots. What `measure` times to measure what a cycle costs; returns its draft phase's seconds."""
     stats, clock = DecodeStats(), PhaseClock(x.device)
     _cycle(dec, x, pos, gamma, range(dec.exit_layer if gamma else 0, dec.depth), enc, cache, SamplingConfig(0.0), None,
-           _Guidance(False, 1.0, 1.0), None, stats, clock)
+           _Guidance(False, 1.0, 1.0), None, stats, clock, recorded=False)
     clock.into(stats)
     return stats.draft_time
 
 
 def _accept(
-    target_logits: Tensor, drafts: Tensor | None, q: Tensor | None, cfg: SamplingConfig,
-    generator: torch.Generator | None, limit: Tensor | None,
+    target_logits: Tensor, drafts: Tensor | None, q: Tensor | None, cfg: SamplingConfig, draws: Draws,
+    limit: Tensor | None,
 ) -> Acceptance:
     """p at the verified positions against the drafts (rows, steps); no drafts: simply draw from p."""
     if drafts is None:
         p0 = target_logits[:, 0]
-        token = p0.argmax(dim=-1) if cfg.greedy else draw(probabilities(p0, cfg), generator)
+        token = p0.argmax(dim=-1) if cfg.greedy else draw(probabilities(p0, cfg), race=draws.exponential(p0.shape, p0))
         return Acceptance(torch.zeros_like(token), token)
     if cfg.greedy:
         return greedy_accept(target_logits.argmax(dim=-1), drafts, limit)
-    return speculative_accept(probabilities(target_logits, cfg), q, drafts, generator, limit)
+    return speculative_accept(probabilities(target_logits, cfg), q, drafts, limit=limit, draws=draws)
 
 
 def _count(

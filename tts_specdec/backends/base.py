@@ -8,12 +8,13 @@ of `csrc/`, float32 on x86 CPUs), `static_compiled.py` (static shapes for `torch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
 
 from ..cache import KVCache
+from ..sampling import Draws
 
 if TYPE_CHECKING:
     from ..decoder import Decoder, Encoded
@@ -94,6 +95,24 @@ class Backend:
         layers above the exit over every node (`kernels.beam_draft` says what it returns). None:
         `spec_beam.draft` builds the tree level by level and `spec_beam.verify` passes over it instead."""
         return None
+
+    def run_cycle(
+        self, cycle: Callable[[Tensor, Tensor, Encoded], tuple[Tensor, ...]], key: tuple, x: Tensor, pos: Tensor,
+        enc: Encoded, cache: KVCache, generator: torch.Generator | None,
+    ) -> tuple[Tensor, ...]:
+        """cycle(x, pos, enc): a speculative sampling cycle's device part (draft phase, verify pass,
+        acceptance), which asks `draws(generator)` for its random numbers. A backend may run it as it
+        pleases with the same result: on CUDA the compiled path records it as one CUDA graph per `key`
+        (its settings; shapes and addresses are the backend's to add)."""
+        return cycle(x, pos, enc)
+
+    def records(self, device: torch.device) -> bool:
+        """Whether `run_cycle` records cycles (what a replayed cycle cannot do: time its draft phase apart)."""
+        return False
+
+    def draws(self, generator: torch.Generator | None) -> Draws:
+        """Where the random numbers of the pass being built come from (`sampling.Draws`)."""
+        return Draws(generator)
 
     def plain_steps(
         self, x: Tensor, pos: Tensor, steps: int, cfg: SamplingConfig, generator: torch.Generator | None,

@@ -22,8 +22,9 @@ found on the device after gamma draft steps (`StaticCompiled.draft_phase`).
 from __future__ import annotations
 
 import os
+import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from ..cache import BufferPool, KVCache
 from ..finite import marked
-from ..sampling import cfg_mix, filter_logits
+from ..sampling import Draws, cfg_mix, filter_logits
 from ..weights import _c, _t, _unit, rotate
 from .torch_eager import TorchEager
 
@@ -242,6 +243,7 @@ class StaticCompiled(TorchEager):
         self.w = _weights_of(dec)
         self._graphs: dict[tuple, Callable] = {}
         self._runs: OrderedDict[tuple, _Run] = OrderedDict()
+        self._draws: _Logged | None = None  # the recorded run being run, recorded or replayed
         # None: record runs where that is what makes them fast (CUDA, inductor); True off CUDA runs the same
         # buffers and code without recording (what the CPU tests check); False: a graph per step
         self.record_runs: bool | None = None if RECORD_RUNS else False
@@ -264,12 +266,12 @@ class StaticCompiled(TorchEager):
 
     def _graph(self, fn: Callable, device: torch.device, **static) -> Callable:
         """`fn` with its keyword-only arguments bound to `static`, compiled once per (fn, arguments)."""
-        key = (fn.__name__, device.type, tuple(sorted(static.items())))
+        key = (fn.__name__, device.type, self._draws is not None, tuple(sorted(static.items())))
         graph = self._graphs.get(key)
         if graph is None:
             mode = "reduce-overhead" if device.type == "cuda" and self.compile_backend == "inductor" else None
-            if fn in _IN_RUNS and self._records(device):
-                mode = None  # the run's recorded graph holds this function's kernels
+            if (fn in _IN_RUNS or self._draws is not None) and self.records(device):
+                mode = None  # a recorded run's graph holds this function's kernels
             # a code object of its own per key: dynamo's cache (and its recompile limit) is per code object
             code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(self._graphs)}")
             own = type(fn)(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
@@ -300,15 +302,6 @@ class StaticCompiled(TorchEager):
         cos_t, sin_t = dec._rope
         return k_all, v_all, enc_k, enc_v, enc.mask, cos_t[: cache.capacity], sin_t[: cache.capacity]
 
-    def _noise(self, cfg: SamplingConfig, generator: torch.Generator | None, shape: tuple[int, int], x: Tensor,
-               out: Tensor | None = None) -> Tensor:
-        """The exponential race's numbers for `shape` (steps, seqs) steps, each step's drawn as
-        `sampling.draw` draws one step's (into `out` when given)."""
-        race = x.new_empty(*shape, self.dec.vocab_size) if out is None else out
-        for step in race:
-            step.exponential_(generator=generator)
-        return race.clamp_min_(torch.finfo(race.dtype).tiny)
-
     def plain_steps(
         self, x: Tensor, pos: Tensor, steps: int, cfg: SamplingConfig, generator: torch.Generator | None,
         enc: Encoded, cache: KVCache, cond_scale: float = 1.0,
@@ -320,19 +313,20 @@ class StaticCompiled(TorchEager):
         static = dict(heads=dec.heads, cfg=_key(cfg), guided=guided, scale=float(cond_scale) if guided else 1.0)
         step = self._graph(_plain_step, x.device, **static)
         fixed = (inputs[0], inputs[1], inputs[5], inputs[6])
+        seqs = pos.numel()
 
-        def run(x: Tensor, row_pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None,
-                noise: Tensor | None) -> tuple[Tensor, Tensor]:
-            tokens = []
-            for i in range(steps):
-                token, x, row_pos = step(self.w, x, row_pos, None if noise is None else noise[i], fixed[0], fixed[1],
+        def run(x: Tensor, row_pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None
+                ) -> tuple[Tensor, Tensor]:
+            draws, tokens = self.draws(generator), []
+            for _ in range(steps):
+                token, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, draws, seqs, x), fixed[0], fixed[1],
                                          enc_k, enc_v, enc_mask, fixed[2], fixed[3])
                 tokens.append(token)
             return torch.stack(tokens, dim=1), x
 
         # inputs as every later step's (one graph): x contiguous, positions per cache row
         copied = (x.contiguous(), dec.per_row(pos, guided), *inputs[2:5])
-        out = self._run_steps(("plain", steps, *static.items()), run, copied, fixed, cfg, generator, steps, pos.numel())
+        out = self._recorded(("plain", steps, *static.items()), run, copied, fixed, generator)
         for i in range(dec.depth):
             dec.layer_evals[i] += x.shape[0] * steps
         return out
@@ -355,13 +349,13 @@ class StaticCompiled(TorchEager):
                            stops=stops, guided=guided, scale=float(cond_scale) if guided else 1.0)
         tail = self._graph(_exit_states, x.device, heads=dec.heads, stop=dec.exit_layer)
         fixed = (inputs[0], inputs[1], inputs[5], inputs[6])
+        seqs = pos.numel()
 
-        def run(x: Tensor, row_pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None,
-                noise: Tensor | None) -> tuple:
+        def run(x: Tensor, row_pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None) -> tuple:
             layer_inputs = (fixed[0], fixed[1], enc_k, enc_v, enc_mask, fixed[2], fixed[3])
-            exits, qs, drafts, confs = [], [], [], []
-            for i in range(gamma):
-                h, token, q, conf, x, row_pos = step(self.w, x, row_pos, None if noise is None else noise[i],
+            draws, exits, qs, drafts, confs = self.draws(generator), [], [], [], []
+            for _ in range(gamma):
+                h, token, q, conf, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, draws, seqs, x),
                                                      *layer_inputs)
                 exits.append(h)
                 drafts.append(token)
@@ -378,31 +372,56 @@ class StaticCompiled(TorchEager):
 
         copied = (x.contiguous(), dec.per_row(pos, guided), *inputs[2:5])
         key = ("draft", gamma, confidence, guided, float(cond_scale) if guided else 1.0, _key(cfg))
-        out = self._run_steps(key, run, copied, fixed, cfg, generator, gamma, pos.numel())
+        out = self._recorded(key, run, copied, fixed, generator)
         for i in range(dec.exit_layer):
             dec.layer_evals[i] += x.shape[0] * (gamma + 1)
         return out
 
-    def _records(self, device: torch.device) -> bool:
+    def run_cycle(
+        self, cycle: Callable[[Tensor, Tensor, Encoded], tuple[Tensor, ...]], key: tuple, x: Tensor, pos: Tensor,
+        enc: Encoded, cache: KVCache, generator: torch.Generator | None,
+    ) -> tuple[Tensor, ...]:
+        """The whole cycle as one recorded graph on CUDA: its draft phase, verify pass and acceptance, a
+        launch and a read-back per cycle. It reads the source's K/V and mask from its own copies."""
+        inputs = self._inputs(enc, cache)  # the cache counts as written up to its capacity
+
+        def run(x: Tensor, pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None) -> tuple[Tensor, ...]:
+            return cycle(x, pos, replace(enc, keys=enc_k, values=enc_v, mask=enc_mask, source=None, _dense=None))
+
+        copied = (x.contiguous(), pos, *inputs[2:5])
+        return self._recorded(key, run, copied, (inputs[0], inputs[1], inputs[5], inputs[6]), generator)
+
+    def draws(self, generator: torch.Generator | None) -> Draws:
+        """Inside a recorded run, that run's buffers (drawn in order before each replay), else `generator`."""
+        return self._draws if self._draws is not None else Draws(generator)
+
+    def _noise(self, cfg: SamplingConfig, draws: Draws, seqs: int, x: Tensor) -> Tensor | None:
+        """The exponential race's numbers for one step, drawn as `sampling.draw` draws them (greedy: none)."""
+        if cfg.greedy:
+            return None
+        race = draws.exponential((seqs, self.dec.vocab_size), x)
+        return race.clamp_min(torch.finfo(race.dtype).tiny)
+
+    def records(self, device: torch.device) -> bool:
+        """Whether runs of steps and speculative cycles are recorded as CUDA graphs here (`_recorded`)."""
         if self.record_runs is None:
             return device.type == "cuda" and self.compile_backend == "inductor"
         return self.record_runs
 
-    def _run_steps(self, key: tuple, run: Callable[..., Any], copied: tuple, fixed: tuple, cfg: SamplingConfig,
-             generator: torch.Generator | None, steps: int, seqs: int) -> Any:
-        """run(*copied, noise): a run of steps, noise (steps, seqs, vocab) drawn first, in order, as
-        `sampling.draw` draws one step's (greedy: None). Recorded runs (`_records`) keep their own copies of
-        `copied` (refilled every call) and read `fixed` where they were recorded: its addresses are part of
-        the run's key (the cache's pooled buffers and the rotary tables keep theirs from call to call)."""
+    def _recorded(self, key: tuple, run: Callable[..., Any], copied: tuple, fixed: tuple,
+                  generator: torch.Generator | None) -> Any:
+        """run(*copied), recorded (`_records`) as one graph per key, shapes and `fixed`'s addresses: a
+        recorded run keeps its own copies of `copied` (refilled every call), reads `fixed` where it was
+        recorded (the cache's pooled buffers and the rotary tables keep their addresses from call to call)
+        and takes its random numbers from buffers refilled before each replay, in the order it asked for
+        them (`draws`). Inside another recorded run, or not recording: run(*copied)."""
         device = copied[0].device
-        if not self._records(device):
-            noise = None if cfg.greedy else self._noise(cfg, generator, (steps, seqs), copied[0])
-            return run(*copied, noise)
+        if self._draws is not None or not self.records(device):
+            return run(*copied)
         key = (*key, *(_layout(t, False) for t in copied), *(_layout(t, True) for t in fixed))
         rec = self._runs.get(key)
         if rec is None:
-            noise = None if cfg.greedy else copied[0].new_empty(steps, seqs, self.dec.vocab_size)
-            rec = _Run(run, tuple(None if t is None else t.clone() for t in copied) + (noise,))
+            rec = _Run(run, tuple(None if t is None else t.clone() for t in copied), self.dec)
             self._runs[key] = rec
             while len(self._runs) > RECORDED:
                 self._runs.popitem(last=False)
@@ -411,9 +430,11 @@ class StaticCompiled(TorchEager):
             for mine, t in zip(rec.inputs, copied):
                 if mine is not None:
                     mine.copy_(t)
-        if rec.inputs[-1] is not None:
-            self._noise(cfg, generator, (steps, seqs), copied[0], out=rec.inputs[-1])
-        return rec(device.type == "cuda")
+        self._draws = rec.draws
+        try:
+            return rec(device.type == "cuda", generator)
+        finally:
+            self._draws = None
 
     def run_layers(
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
@@ -451,29 +472,88 @@ class StaticCompiled(TorchEager):
         return graph(self.w, x.contiguous(), pos.contiguous(), *inputs)
 
 
-class _Run:
-    """A run of compiled steps on its own input buffers (`inputs`), recorded as one CUDA graph on its first
-    call and replayed after (off CUDA: run again each call, on the same buffers)."""
+class _Logged(Draws):
+    """A recorded run's random numbers: the first run of its body draws them from the generator into
+    buffers it keeps, in the order asked; later runs (the capture, and off CUDA every call) get the same
+    buffers in the same order, which `refill` draws anew before each call, as the first run drew them."""
 
-    def __init__(self, run: Callable[..., Any], inputs: tuple) -> None:
-        self.run, self.inputs = run, inputs
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.buffers: list[tuple[str, Tensor]] = []
+        self.logged, self.next = False, 0
+
+    def _take(self, kind: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        if not self.logged:
+            t = getattr(Draws(self.generator), kind)(shape, like)
+            self.buffers.append((kind, t))
+            return t
+        kind_was, t = self.buffers[self.next]
+        if kind_was != kind or tuple(t.shape) != tuple(shape):
+            raise RuntimeError(f"a recorded run asked for {kind} {tuple(shape)} where it first asked for "
+                               f"{kind_was} {tuple(t.shape)}")
+        self.next += 1
+        return t
+
+    def exponential(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        return self._take("exponential", shape, like)
+
+    def rand(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        return self._take("rand", shape, like)
+
+    def refill(self, generator: torch.Generator | None) -> None:
+        for kind, t in self.buffers:
+            if kind == "exponential":
+                t.exponential_(generator=generator)
+            else:
+                t.uniform_(generator=generator)
+
+
+class _Run:
+    """A run of compiled steps on its own input buffers (`inputs`) and random numbers (`draws`), recorded
+    as one CUDA graph on its first call and replayed after (off CUDA: run again each call, on the same
+    buffers). The body advances the decoder's layer counters (`layer_evals`): a replay adds what its first
+    run added."""
+
+    def __init__(self, run: Callable[..., Any], inputs: tuple, dec: Decoder) -> None:
+        self.run, self.inputs, self.dec = run, inputs, dec
+        self.draws = _Logged()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Any = None
+        self.added: list[int] | None = None
 
-    def __call__(self, record: bool) -> Any:
-        if not record:
-            return self.run(*self.inputs)
-        if self.graph is None:
-            # once outside the capture (compiles, tunes, sets up cuBLAS on this stream): it writes the cache
-            # slots the replay writes, from the same inputs, and the replay rewrites each before it reads it
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.run(*self.inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = self.run(*self.inputs)
+    def _body(self) -> Any:
+        self.draws.next = 0
+        return self.run(*self.inputs)
+
+    def __call__(self, record: bool, generator: torch.Generator | None) -> Any:
+        if self.draws.logged:
+            self.draws.refill(generator)
+        else:
+            self.draws.generator = generator
+        if self.added is None:  # the first call: its body draws and counts
+            before = list(self.dec.layer_evals)
+            out = self._body()
+            self.draws.logged, self.draws.generator = True, None
+            self.added = [a - b for a, b in zip(self.dec.layer_evals, before)]
+            if not record:
+                return out
+            # that run (on its own inputs) compiled, tuned and set up cuBLAS outside the capture; it wrote the
+            # cache slots the replay writes, and the replay rewrites each before it reads it
+            torch.cuda.synchronize()
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.out = self._body()
+                self.graph = graph
+            except Exception as e:  # noqa: BLE001 -- run as recorded, unrecorded (same buffers, same numbers)
+                warnings.warn(f"tts_specdec: a run could not be recorded as a CUDA graph ({e}); it runs unrecorded")
+            self.dec.layer_evals[:] = [b + a for b, a in zip(before, self.added)]
+            if self.graph is None:
+                return out
+        else:
+            if not record or self.graph is None:
+                return self._body()  # counts as it runs
+            self.dec.layer_evals[:] = [e + a for e, a in zip(self.dec.layer_evals, self.added)]
         self.graph.replay()
         # the outputs live in the graph's memory and the next replay overwrites them
         return tuple(None if t is None else t.clone() for t in self.out)
