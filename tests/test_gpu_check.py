@@ -35,6 +35,15 @@ def test_table_pairs_each_row_with_its_compiled_twin(gpu_check, capsys):
     assert "ours speculative sample (gamma=4)" in capsys.readouterr().out
 
 
+def test_recorded_runs_get_their_own_columns(gpu_check, capsys):
+    """The optional recorded stage (TTS_SPECDEC_RECORD_RUNS=1) is tabled beside the compiled one."""
+    lines = gpu_check.table({"shipped": {"compiled": report(4.0), "recorded": report(5.0)}})
+    assert [ln["recorded_tokens_per_s"] / ln["compiled_tokens_per_s"] for ln in lines[1:]] == [1.25, 1.25]
+    assert "recorded_tokens_per_s" not in lines[0]  # spear-tts's own rows are never compiled
+    gpu_check.print_table(lines, "test device")
+    assert "recorded" in capsys.readouterr().out
+
+
 def test_without_cuda_it_says_so(gpu_check, capsys):
     import torch
 

@@ -9,7 +9,9 @@ session here has minutes of device time; what did not fit is listed under "skipp
    over --test-workers processes (pytest-xdist) because each compiles its graphs;
 3. exactness: recipes/device_check.py --compile on --exactness held-out sentences (0: skipped);
 4. width1024/compiled, width1024/eager: the shipped model widened function-preservingly to width 1024,
-   16 heads (`--widen 1024 16`: memory-bound steps).
+   16 heads (`--widen 1024 16`: memory-bound steps);
+5. only when named: shipped/recorded, width1024/recorded: the compiled benchmark with recorded runs
+   (TTS_SPECDEC_RECORD_RUNS=1: a plain run and a speculative sampling cycle as one CUDA graph each).
 
 One JSON, benchmarks/gpu_<device>.json, is rewritten after every stage: each benchmark run, the tests'
 exit status, and the table this prints (each row's tokens/s eager and compiled, compiled / eager, each
@@ -18,6 +20,7 @@ speculative row's speedup over its plain baseline on both paths, the first call'
     python tools/gpu_check.py                                  # what `make gpu-check` runs
     python tools/gpu_check.py --stages shipped/compiled --reps 5 --out /tmp/gpu.json
     python tools/gpu_check.py --budget 900 --exactness 8 --bench --families sample
+    python tools/gpu_check.py --stages shipped/compiled shipped/recorded tests   # recorded runs beside
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BENCH = ["--families", "sample", "greedy", "beam", "--draft-confidence", "0", "--beam-gamma", "1",
                  "--draft-width", "8", "--skip-upstream-beam"]
 STAGES = ["shipped/compiled", "shipped/eager", "tests", "exactness", "width1024/compiled", "width1024/eager"]
+# on request only: the compiled benchmark with recorded runs (TTS_SPECDEC_RECORD_RUNS=1, off by default: a plain
+# run and a speculative sampling cycle as one CUDA graph each; docs/gpu.md)
+OPTIONAL = ["shipped/recorded", "width1024/recorded"]
 SETUPS = {
     "shipped": ["--model", "default", "--skip-auto"],
     "width1024": ["--model", "default", "--widen", "1024", "16", "--skip-upstream", "--skip-auto"],
@@ -87,7 +93,8 @@ def table(runs: dict) -> list[dict]:
     for setup, paths in runs.items():
         eager = {r["mode"]: r for r in paths.get("eager", {}).get("rows", [])}
         compiled = {r["mode"]: r for r in paths.get("compiled", {}).get("rows", [])}
-        for mode in dict.fromkeys([*compiled, *eager]):
+        recorded = {r["mode"]: r for r in paths.get("recorded", {}).get("rows", [])}
+        for mode in dict.fromkeys([*compiled, *eager, *recorded]):
             e, c = eager.get(mode), compiled.get(mode)
             line = {"setup": setup, "mode": mode}
             if e is not None:
@@ -97,6 +104,9 @@ def table(runs: dict) -> list[dict]:
                             vs=c.get("vs"), compile_warmup_s=c.get("warmup_s"))
                 if e is not None:
                     line["compiled_over_eager"] = c["tokens_per_s"] / e["tokens_per_s"]
+            r = recorded.get(mode)
+            if r is not None and not mode.startswith("spear-tts"):
+                line.update(recorded_tokens_per_s=r["tokens_per_s"], recorded_speedup=r.get("speedup"))
             lines.append(line)
     return lines
 
@@ -106,16 +116,20 @@ def print_table(lines: list[dict], device: str) -> None:
         return format(v, fmt) if v is not None else ""
 
     print(f"\n{device}, batch 1 (tokens/s; speedup = over the row's plain baseline on the same path)")
-    print(f"{'setup':10s} {'mode':48s} {'eager':>9s} {'speedup':>8s} {'compiled':>9s} {'speedup':>8s} {'c/e':>6s}")
+    rec = any("recorded_tokens_per_s" in ln for ln in lines)
+    print(f"{'setup':10s} {'mode':48s} {'eager':>9s} {'speedup':>8s} {'compiled':>9s} {'speedup':>8s} {'c/e':>6s}"
+          + (f" {'recorded':>9s} {'speedup':>8s}" if rec else ""))
     for ln in lines:
         print(f"{ln['setup']:10s} {ln['mode'][:48]:48s} {num(ln.get('eager_tokens_per_s'), '9.1f'):>9s} "
               f"{num(ln.get('eager_speedup'), '8.2f'):>8s} {num(ln.get('compiled_tokens_per_s'), '9.1f'):>9s} "
-              f"{num(ln.get('compiled_speedup'), '8.2f'):>8s} {num(ln.get('compiled_over_eager'), '6.2f'):>6s}")
+              f"{num(ln.get('compiled_speedup'), '8.2f'):>8s} {num(ln.get('compiled_over_eager'), '6.2f'):>6s}"
+              + (f" {num(ln.get('recorded_tokens_per_s'), '9.1f'):>9s} {num(ln.get('recorded_speedup'), '8.2f'):>8s}"
+                 if rec else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", nargs="+", choices=STAGES, default=STAGES, help="run these, in this order")
+    p.add_argument("--stages", nargs="+", choices=STAGES + OPTIONAL, default=STAGES, help="run these, in this order")
     p.add_argument("--budget", type=float, default=480,
                    help="seconds: a stage starts only while the run is younger, and is stopped when it runs past "
                         "(0: no limit)")
@@ -167,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             setup, path = stage.split("/")
             json_path = out.with_name(f"{out.stem}.{setup}.{path}.json")
             cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), *SETUPS[setup], "--device", "cuda",
-                   "--reps", str(args.reps), *args.bench, *(["--compile"] if path == "compiled" else []),
+                   "--reps", str(args.reps), *args.bench, *(["--compile"] if path != "eager" else []),
                    "--json", str(json_path)]
+            if path == "recorded":
+                cmd = ["env", "TTS_SPECDEC_RECORD_RUNS=1", *cmd]
             rc = run(cmd, left())
             if rc:  # keep the other stages' results
                 result["errors"][stage] = f"exit status {rc}"

@@ -206,7 +206,8 @@ class Decoder:
     @staticmethod
     def per_row(per_seq: Tensor, guided: bool) -> Tensor:
         """A tensor indexed by sequence (dim 0) -> indexed by cache/context row."""
-        return per_seq.repeat_interleave(2, dim=0) if guided else per_seq
+        # output_size: on CUDA, without it the op reads the output's length back from the device
+        return per_seq.repeat_interleave(2, dim=0, output_size=2 * per_seq.shape[0]) if guided else per_seq
 
     def start_of(self, pos: Tensor, guided: bool) -> int | Tensor:
         """Per-sequence start slots for `run`: an int when all are equal (the cache's fast path); always

@@ -155,7 +155,8 @@ def speculative_accept(
         q = q * proposed[..., None]  # zero past the limit: residual(p, 0) = p, the bonus law
     accepted = torch.cumprod(keep.long(), dim=1).sum(dim=1)
     q_pad = F.pad(q, (0, 0, 0, 1))  # q is zero past the drafts: the bonus position samples from p itself
-    dist = residual(p[torch.arange(rows), accepted], q_pad[torch.arange(rows), accepted])
+    row = torch.arange(rows, device=p.device)  # on p's device: a host index would be copied over each call
+    dist = residual(p[row, accepted], q_pad[row, accepted])
     return Acceptance(accepted, draw(dist, race=race))
 
 

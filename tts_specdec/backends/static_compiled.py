@@ -22,7 +22,6 @@ found on the device after gamma draft steps (`StaticCompiled.draft_phase`).
 from __future__ import annotations
 
 import os
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import partial
@@ -48,11 +47,12 @@ RECOMPILE_LIMIT = 64
 MIN_CAPACITY = 64
 # cache buffers kept for the next decode, by shape (the most recent shapes)
 POOLED_SHAPES = 8
-# On CUDA a run of steps (a plain run, a draft phase) is recorded as one CUDA graph and replayed: one
-# launch per run. Replaying one graph per step costs the host a Python call, dynamo's guards and input
-# copies every step, and the shipped model's step is under a millisecond of device time (H100 profile,
-# docs/gpu.md). TTS_SPECDEC_RECORD_RUNS=0 replays one graph per step instead (to compare).
-RECORD_RUNS = os.environ.get("TTS_SPECDEC_RECORD_RUNS", "1") != "0"
+# Recorded runs (TTS_SPECDEC_RECORD_RUNS=1; off by default): on CUDA a run of plain steps and a whole
+# speculative sampling cycle are each recorded as one CUDA graph and replayed, one launch per run instead of
+# one graph replay per step (each a Python call, dynamo's guards and input copies). Measured once on an H100
+# (docs/gpu.md): plain sampling 1.20x the per-step graphs in tools/gpu_profile.py, but slower in the
+# benchmark's interleaved runs and in speculative sampling, for reasons not established on a GPU yet.
+RECORD_RUNS = os.environ.get("TTS_SPECDEC_RECORD_RUNS", "0") == "1"
 RECORDED = 16  # recorded runs kept (each holds its graph and its memory), the most recently used
 
 
@@ -244,8 +244,8 @@ class StaticCompiled(TorchEager):
         self._graphs: dict[tuple, Callable] = {}
         self._runs: OrderedDict[tuple, _Run] = OrderedDict()
         self._draws: _Logged | None = None  # the recorded run being run, recorded or replayed
-        # None: record runs where that is what makes them fast (CUDA, inductor); True off CUDA runs the same
-        # buffers and code without recording (what the CPU tests check); False: a graph per step
+        # None: record runs on CUDA with inductor; True off CUDA runs the same buffers and code without
+        # recording (what the CPU tests check); False: a graph per step (the default: RECORD_RUNS)
         self.record_runs: bool | None = None if RECORD_RUNS else False
         self._pool = BufferPool(POOLED_SHAPES)
         if torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
@@ -433,6 +433,9 @@ class StaticCompiled(TorchEager):
         self._draws = rec.draws
         try:
             return rec(device.type == "cuda", generator)
+        except Exception:
+            self._runs.pop(key, None)  # half-made: never replayed
+            raise
         finally:
             self._draws = None
 
@@ -540,18 +543,17 @@ class _Run:
             # that run (on its own inputs) compiled, tuned and set up cuBLAS outside the capture; it wrote the
             # cache slots the replay writes, and the replay rewrites each before it reads it
             torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
             try:
-                graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     self.out = self._body()
-                self.graph = graph
-            except Exception as e:  # noqa: BLE001 -- run as recorded, unrecorded (same buffers, same numbers)
-                warnings.warn(f"tts_specdec: a run could not be recorded as a CUDA graph ({e}); it runs unrecorded")
+            except Exception as e:  # noqa: BLE001 -- a failed capture leaves the stream and allocator unusable
+                raise RuntimeError(f"recording a run as one CUDA graph failed ({e}); TTS_SPECDEC_RECORD_RUNS=0 "
+                                   "replays a graph per step instead") from e
+            self.graph = graph
             self.dec.layer_evals[:] = [b + a for b, a in zip(before, self.added)]
-            if self.graph is None:
-                return out
         else:
-            if not record or self.graph is None:
+            if not record:
                 return self._body()  # counts as it runs
             self.dec.layer_evals[:] = [e + a for e, a in zip(self.dec.layer_evals, self.added)]
         self.graph.replay()
