@@ -5,12 +5,14 @@ and graph capture as inductor, without generating code: seconds instead of minut
 test runs inductor itself. The decoders are shared by the module's tests: each graph is compiled once. GPU-only tests carry the `cuda` marker and skip without CUDA.
 """
 
+from functools import partial
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from tts_specdec import SpeculativeDecoder, speculative
-from tts_specdec.backends import StaticCompiled, TorchEager
+from tts_specdec.backends import StaticCompiled, TorchEager, static_compiled
 from tts_specdec.sampling import SamplingConfig, probabilities
 
 from conftest import make_model, make_source
@@ -92,11 +94,30 @@ def test_plain_sampling_draws_as_step_by_step(models, compiled, source, monkeypa
                                     dict(temperature=0.8, gamma=3), dict(temperature=0.0, gamma=4, draft_confidence=0.6),
                                     dict(temperature=0.8, gamma=4, draft_confidence=0.6)],
                          ids=["greedy", "sample", "spec-sample", "spec-greedy-stops", "spec-sample-stops"])
-def test_recorded_runs_decode_as_graph_per_step(models, compiled, source, kwargs):
-    """Runs recorded as one CUDA graph (plain runs, draft phases) keep their own input buffers, refilled
-    each call, and draw a run's noise before it: off CUDA the same buffers and code run unrecorded, and
-    give the tokens of one graph per step from the same seed (guidance on, ragged rows); a second decode
-    reuses the first one's runs."""
+def test_recorded_runs_decode_as_graph_per_step(models, compiled, source, kwargs, monkeypatch):
+    """Runs recorded as one CUDA graph (plain runs, whole speculative cycles) keep their own input buffers,
+    refilled each call, and random numbers drawn in the step-by-step order: off CUDA the same buffers and
+    code run unrecorded, and give the tokens of one graph per step from the same seed (guidance on, ragged
+    rows); a second decode reuses the first one's runs. Their bodies run with "meta" as the default device:
+    a tensor made there without naming its device (on a GPU: a host tensor, whose copy a capture cannot
+    hold) fails the run."""
+    real_body = static_compiled._Run._body
+
+    def body_without_a_default_device(self):
+        with torch.device("meta"):
+            return real_body(self)
+
+    def uncompiled(self, fn, device, **static):  # the steps as plain Python, outside the meta default
+        step = partial(fn, **static)
+
+        def run(*args):
+            with torch._C.DisableTorchFunction():
+                return step(*args)
+
+        return run
+
+    monkeypatch.setattr(static_compiled._Run, "_body", body_without_a_default_device)
+    monkeypatch.setattr(StaticCompiled, "_graph", uncompiled)
     kwargs = dict(kwargs, cond_scale=2.0, max_length=MAX_LEN)
     dec = SpeculativeDecoder(models["cfg"], compile=BACKEND)
     dec.sample(source[:1], **dict(kwargs, max_length=2))  # the backend is chosen on the first call
