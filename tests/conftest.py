@@ -6,6 +6,7 @@ are far from uniform and greedy outputs vary from token to token and from source
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -128,6 +129,18 @@ def tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Total variation between empirical counts and a distribution of the same shape."""
     counts = counts.double().flatten()
     return 0.5 * float((counts / counts.sum() - probs.double().flatten()).abs().sum())
+
+
+def uncompiled_graph(self, fn, device, **static):
+    """`StaticCompiled._graph` without torch.compile: the step function itself, run with torch function
+    dispatch off (its ops are the graph's, not the loop's: a test's torch function mode sees none)."""
+    step = functools.partial(fn, **static)
+
+    def run(*args):
+        with torch._C.DisableTorchFunction():
+            return step(*args)
+
+    return run
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ and graph capture as inductor, without generating code: seconds instead of minut
 test runs inductor itself. The decoders are shared by the module's tests: each graph is compiled once. GPU-only tests carry the `cuda` marker and skip without CUDA.
 """
 
-from functools import partial
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -15,7 +13,7 @@ from tts_specdec import SpeculativeDecoder, speculative
 from tts_specdec.backends import StaticCompiled, TorchEager, static_compiled
 from tts_specdec.sampling import SamplingConfig, probabilities
 
-from conftest import make_model, make_source
+from conftest import make_model, make_source, uncompiled_graph
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,17 +105,9 @@ def test_recorded_runs_decode_as_graph_per_step(models, compiled, source, kwargs
         with torch.device("meta"):
             return real_body(self)
 
-    def uncompiled(self, fn, device, **static):  # the steps as plain Python, outside the meta default
-        step = partial(fn, **static)
-
-        def run(*args):
-            with torch._C.DisableTorchFunction():
-                return step(*args)
-
-        return run
-
     monkeypatch.setattr(static_compiled._Run, "_body", body_without_a_default_device)
-    monkeypatch.setattr(StaticCompiled, "_graph", uncompiled)
+    # the steps as plain Python, outside the meta default (a torch function mode)
+    monkeypatch.setattr(StaticCompiled, "_graph", uncompiled_graph)
     kwargs = dict(kwargs, cond_scale=2.0, max_length=MAX_LEN)
     dec = SpeculativeDecoder(models["cfg"], compile=BACKEND)
     dec.sample(source[:1], **dict(kwargs, max_length=2))  # the backend is chosen on the first call

@@ -5,8 +5,6 @@ themselves, which run uncompiled here (the same functions `torch.compile` captur
 nothing is what fullgraph=True proves in tests/test_compiled.py). The bounds are what the loops do now:
 a change that adds a read or a send per step or per cycle fails here."""
 
-from functools import partial
-
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -14,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from tts_specdec import SpeculativeDecoder, beam, speculative
 from tts_specdec.backends import StaticCompiled
 
-from conftest import make_source
+from conftest import make_source, uncompiled_graph
 from test_spec_beam import draft_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,23 +49,11 @@ class HostReads(TorchFunctionMode):
         return sum(self.calls.values())
 
 
-def _uncompiled(self, fn, device, **static):
-    """`StaticCompiled._graph` without torch.compile: the step function itself, run with torch function
-    dispatch off (its ops are the graph's, not the loop's)."""
-    step = partial(fn, **static)
-
-    def run(*args):
-        with torch._C.DisableTorchFunction():
-            return step(*args)
-
-    return run
-
-
 @pytest.fixture
 def dec(monkeypatch):
     """The partial draft (some cycles commit several steps), float64, on the static path with every item
     running to max_length (no EOS): steps and cycles are counted alike in every mode."""
-    monkeypatch.setattr(StaticCompiled, "_graph", _uncompiled)
+    monkeypatch.setattr(StaticCompiled, "_graph", uncompiled_graph)
     monkeypatch.setattr(beam, "transfers_wait", lambda device: True)  # as on a GPU
     d = SpeculativeDecoder(draft_model("partial", dtype=torch.float64), compile="eager")
     d.decoder.eos_id = None

@@ -80,11 +80,11 @@ def draw(probs: Tensor, generator: torch.Generator | None = None, race: Tensor |
     Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) iid is token i with probability p_i
     (the Gumbel-max trick without logarithms). Three small kernels, cheaper on CPU than
     torch.multinomial, whose per-call cost is a visible share of a decoding step.
-    race: the E_i when drawn already (`Draws.exponential`), else drawn here from `generator`.
+    race: the E_i when drawn already (`Draws.exponential`; clamped in place), else drawn here from `generator`.
     """
     if race is None:
         race = torch.empty_like(probs).exponential_(generator=generator)
-    race = race.clamp_min(torch.finfo(race.dtype).tiny)  # a zero draw would make 0/0 = NaN win argmax
+    race.clamp_min_(torch.finfo(race.dtype).tiny)  # a zero draw would make 0/0 = NaN win argmax
     return (probs / race).argmax(dim=-1)
 
 
@@ -98,10 +98,16 @@ class Draws:
         self.generator = generator
 
     def exponential(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        return like.new_empty(shape).exponential_(generator=self.generator)
+        return self.fill("exponential", like.new_empty(shape))
 
     def rand(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        return like.new_empty(shape).uniform_(generator=self.generator)
+        return self.fill("rand", like.new_empty(shape))
+
+    def fill(self, kind: str, t: Tensor) -> Tensor:
+        """t drawn anew in place, as `kind` ("exponential" or "rand") draws it."""
+        if kind == "exponential":
+            return t.exponential_(generator=self.generator)
+        return t.uniform_(generator=self.generator)
 
 
 def residual(p: Tensor, q: Tensor) -> Tensor:

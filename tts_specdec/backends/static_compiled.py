@@ -266,12 +266,12 @@ class StaticCompiled(TorchEager):
 
     def _graph(self, fn: Callable, device: torch.device, **static) -> Callable:
         """`fn` with its keyword-only arguments bound to `static`, compiled once per (fn, arguments)."""
-        key = (fn.__name__, device.type, self._draws is not None, tuple(sorted(static.items())))
+        mode = "reduce-overhead" if device.type == "cuda" and self.compile_backend == "inductor" else None
+        if (fn in _IN_RUNS or self._draws is not None) and self.records(device):
+            mode = None  # a recorded run's graph holds this function's kernels
+        key = (fn.__name__, device.type, mode, tuple(sorted(static.items())))
         graph = self._graphs.get(key)
         if graph is None:
-            mode = "reduce-overhead" if device.type == "cuda" and self.compile_backend == "inductor" else None
-            if (fn in _IN_RUNS or self._draws is not None) and self.records(device):
-                mode = None  # a recorded run's graph holds this function's kernels
             # a code object of its own per key: dynamo's cache (and its recompile limit) is per code object
             code = fn.__code__.replace(co_name=f"{fn.__name__}_{len(self._graphs)}")
             own = type(fn)(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
@@ -312,20 +312,18 @@ class StaticCompiled(TorchEager):
         inputs = self._inputs(enc, cache)
         static = dict(heads=dec.heads, cfg=_key(cfg), guided=guided, scale=float(cond_scale) if guided else 1.0)
         step = self._graph(_plain_step, x.device, **static)
-        fixed = (inputs[0], inputs[1], inputs[5], inputs[6])
+        fixed, source = _split(inputs)
         seqs = pos.numel()
 
-        def run(x: Tensor, row_pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None
-                ) -> tuple[Tensor, Tensor]:
-            draws, tokens = self.draws(generator), []
+        def run(x: Tensor, row_pos: Tensor, *source: Tensor | None) -> tuple[Tensor, Tensor]:
+            draws, tokens, layer_inputs = self.draws(generator), [], _join(fixed, source)
             for _ in range(steps):
-                token, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, draws, seqs, x), fixed[0], fixed[1],
-                                         enc_k, enc_v, enc_mask, fixed[2], fixed[3])
+                token, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, draws, seqs, x), *layer_inputs)
                 tokens.append(token)
             return torch.stack(tokens, dim=1), x
 
         # inputs as every later step's (one graph): x contiguous, positions per cache row
-        copied = (x.contiguous(), dec.per_row(pos, guided), *inputs[2:5])
+        copied = (x.contiguous(), dec.per_row(pos, guided), *source)
         out = self._recorded(("plain", steps, *static.items()), run, copied, fixed, generator)
         for i in range(dec.depth):
             dec.layer_evals[i] += x.shape[0] * steps
@@ -348,11 +346,11 @@ class StaticCompiled(TorchEager):
         step = self._graph(_draft_step, x.device, heads=dec.heads, exit_layer=dec.exit_layer, cfg=_key(cfg),
                            stops=stops, guided=guided, scale=float(cond_scale) if guided else 1.0)
         tail = self._graph(_exit_states, x.device, heads=dec.heads, stop=dec.exit_layer)
-        fixed = (inputs[0], inputs[1], inputs[5], inputs[6])
+        fixed, source = _split(inputs)
         seqs = pos.numel()
 
-        def run(x: Tensor, row_pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None) -> tuple:
-            layer_inputs = (fixed[0], fixed[1], enc_k, enc_v, enc_mask, fixed[2], fixed[3])
+        def run(x: Tensor, row_pos: Tensor, *source: Tensor | None) -> tuple:
+            layer_inputs = _join(fixed, source)
             draws, exits, qs, drafts, confs = self.draws(generator), [], [], [], []
             for _ in range(gamma):
                 h, token, q, conf, x, row_pos = step(self.w, x, row_pos, self._noise(cfg, draws, seqs, x),
@@ -370,7 +368,7 @@ class StaticCompiled(TorchEager):
                 limit = torch.where(below.any(dim=1), below.to(torch.int8).argmax(dim=1) + 1, gamma)
             return torch.cat(exits, dim=1), torch.stack(qs, dim=1) if qs else None, torch.stack(drafts, dim=1), limit
 
-        copied = (x.contiguous(), dec.per_row(pos, guided), *inputs[2:5])
+        copied = (x.contiguous(), dec.per_row(pos, guided), *source)
         key = ("draft", gamma, confidence, guided, float(cond_scale) if guided else 1.0, _key(cfg))
         out = self._recorded(key, run, copied, fixed, generator)
         for i in range(dec.exit_layer):
@@ -383,13 +381,12 @@ class StaticCompiled(TorchEager):
     ) -> tuple[Tensor, ...]:
         """The whole cycle as one recorded graph on CUDA: its draft phase, verify pass and acceptance, a
         launch and a read-back per cycle. It reads the source's K/V and mask from its own copies."""
-        inputs = self._inputs(enc, cache)  # the cache counts as written up to its capacity
+        fixed, source = _split(self._inputs(enc, cache))  # the cache counts as written up to its capacity
 
         def run(x: Tensor, pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None) -> tuple[Tensor, ...]:
             return cycle(x, pos, replace(enc, keys=enc_k, values=enc_v, mask=enc_mask, source=None, _dense=None))
 
-        copied = (x.contiguous(), pos, *inputs[2:5])
-        return self._recorded(key, run, copied, (inputs[0], inputs[1], inputs[5], inputs[6]), generator)
+        return self._recorded(key, run, (x.contiguous(), pos, *source), fixed, generator)
 
     def draws(self, generator: torch.Generator | None) -> Draws:
         """Inside a recorded run, that run's buffers (drawn in order before each replay), else `generator`."""
@@ -487,7 +484,7 @@ class _Logged(Draws):
 
     def _take(self, kind: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         if not self.logged:
-            t = getattr(Draws(self.generator), kind)(shape, like)
+            t = self.fill(kind, like.new_empty(shape))
             self.buffers.append((kind, t))
             return t
         kind_was, t = self.buffers[self.next]
@@ -504,11 +501,10 @@ class _Logged(Draws):
         return self._take("rand", shape, like)
 
     def refill(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
         for kind, t in self.buffers:
-            if kind == "exponential":
-                t.exponential_(generator=generator)
-            else:
-                t.uniform_(generator=generator)
+            self.fill(kind, t)
+        self.generator = None
 
 
 class _Run:
@@ -559,6 +555,18 @@ class _Run:
         self.graph.replay()
         # the outputs live in the graph's memory and the next replay overwrites them
         return tuple(None if t is None else t.clone() for t in self.out)
+
+
+def _split(inputs: tuple) -> tuple[tuple, tuple]:
+    """`_inputs`' tuple -> (what a recorded run reads where it was recorded: the cache's K/V and the rotary
+    tables; the source's K/V and mask, which it copies in each call)."""
+    k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t = inputs
+    return (k_all, v_all, cos_t, sin_t), (enc_k, enc_v, enc_mask)
+
+
+def _join(fixed: tuple, source: tuple) -> tuple:
+    """The inverse of `_split`: a step's layer inputs in `_inputs`' order."""
+    return (*fixed[:2], *source, *fixed[2:])
 
 
 def _layout(t: Tensor | None, address: bool) -> tuple | None:
