@@ -65,6 +65,7 @@ def test_reorder_gathers_rows(index, dtype):
     cache = filled(dtype=dtype)
     cache.k[:, :, :, cache.high :] = 7.0  # slots at and past `high` are never read; same-size reorders leave them
     k, v, lengths = cache.k.clone(), cache.v.clone(), cache.lengths.clone()
+    k_storage = cache.k.untyped_storage().data_ptr()
     index = torch.tensor(index)
     cache.reorder(index)
     assert cache.rows == len(index) and cache.capacity >= CAP
@@ -73,6 +74,10 @@ def test_reorder_gathers_rows(index, dtype):
     assert torch.equal(cache.lengths, lengths[index])
     if len(index) == ROWS:
         assert (cache.k[:, :, :, cache.high :] == 7.0).all()
+    if len(index) < ROWS:  # packed into the same storage, contiguous, zeroed from `high` on as fresh storage is
+        assert cache.k.is_contiguous() and cache.v.is_contiguous()
+        assert cache.k.untyped_storage().data_ptr() == k_storage
+        assert (cache.k[:, :, :, cache.high :] == 0).all() and (cache.v[:, :, :, cache.high :] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["torch", "kernel"])  # float32: the C++ path
