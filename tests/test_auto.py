@@ -296,6 +296,21 @@ def test_policy_times_its_arms_and_keeps_the_fastest(fastest):
     assert list(tables) == [1]
 
 
+def test_speculative_arms_share_one_revisit_where_plain_steps_win():
+    """Two rows (four speculative arms on the CPU) and plain steps 1.5x faster per token, the cycles noisy
+    (1 to 5 tokens a row): past exploring, the four together run about what one revisited arm runs
+    (the fastest of them every REVISIT, the others as many times less often), not a 1/REVISIT share
+    each, and no draw picks one over plain steps; each is still revisited."""
+    draws = random.Random(3)
+    script = Script({PLAIN: 1.0, FIXED: 1.5, SHORT: 1.5, THIRD: 1.5, STOPS: 1.5}, emitted=lambda: draws.randint(1, 5))
+    ran = script.run(SamplingPolicy(STEEP, {}, clock=script.clock), [2] * 4000)
+    later = ran[5 * EXPLORE_CYCLES:]
+    arms = {a for a, _ in ran}
+    assert arms == {PLAIN, FIXED, SHORT, THIRD, STOPS}
+    assert all(any(a == arm for a, _ in later) for arm in arms)  # every arm revisited
+    assert 1 - share(later, PLAIN) <= 2.2 / REVISIT  # measured 1.8 (one revisit share each: 3.0 here)
+
+
 def test_policy_decodes_plainly_where_plain_steps_win_at_that_row_count():
     """Plain steps 1.3x faster per token than speculation with two rows running (a batch's verify passes
     carry twice the tokens), speculation 1.5x faster with one: a call whose rows drop from 2 to 1 decodes
@@ -311,8 +326,11 @@ def test_policy_decodes_plainly_where_plain_steps_win_at_that_row_count():
     assert share(two, PLAIN) >= 1 - 2 * 1.5 / REVISIT
     assert share(one, PLAIN) <= 1.5 / REVISIT
     assert sorted(tables) == [1, 2]
-    assert set(tables[2].sums) == {PLAIN, FIXED, SHORT, STOPS} and set(tables[1].sums) == {PLAIN, FIXED, STOPS}
-    assert tables[2].rate(PLAIN)[0] < min(tables[2].rate(arm)[0] for arm in (FIXED, SHORT, STOPS))
+    # while plain steps run, the acceptance estimate returns to its prior and the model's gamma grows, so a
+    # third of it may become an arm too (explored once it is)
+    assert {PLAIN, FIXED, SHORT, STOPS} <= set(tables[2].sums) <= {PLAIN, FIXED, SHORT, THIRD, STOPS}
+    assert set(tables[1].sums) == {PLAIN, FIXED, STOPS}
+    assert tables[2].rate(PLAIN)[0] < min(tables[2].rate(arm)[0] for arm in set(tables[2].sums) - {PLAIN})
     assert tables[1].rate(PLAIN)[0] > max(tables[1].rate(FIXED)[0], tables[1].rate(STOPS)[0])
 
 
