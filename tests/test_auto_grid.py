@@ -21,7 +21,7 @@ def scripted(name: str, tokens: list[int], order: list[str], out=None) -> auto_g
     def run():
         order.append(name)
         return 10, DecodeStats(gamma_hist=[2, 1]), tokens if out is None else out.pop(0)
-    return auto_grid.Mode(name, run)
+    return auto_grid.Mode(name, [run])
 
 
 def test_passes_interleave_and_the_warm_up_is_not_timed():
@@ -32,6 +32,26 @@ def test_passes_interleave_and_the_warm_up_is_not_timed():
                      "plain", "fixed", "auto"]
     assert all(len(m.times) == 3 and m.tokens == [10] * 3 for m in modes)
     assert modes[2].gamma_hist == [6, 3]  # summed over the timed passes
+
+
+def test_batches_interleave_call_by_call():
+    """With several batches a pass runs each batch in every mode before the next batch, the order rotating
+    from batch to batch; a mode's pass sums its calls."""
+    order = []
+
+    def mode(name):
+        def call(i):
+            def run():
+                order.append((name, i))
+                return 10 + i, DecodeStats(gamma_hist=[i]), [[i]]
+            return run
+        return auto_grid.Mode(name, [call(0), call(1)])
+
+    modes = [mode(n) for n in ("plain", "fixed", "auto")]
+    assert auto_grid.measure(modes, 3)
+    assert order[:6] == [("plain", 0), ("fixed", 0), ("auto", 0), ("fixed", 1), ("auto", 1), ("plain", 1)]
+    assert order[6:9] == [("fixed", 0), ("auto", 0), ("plain", 0)]
+    assert all(m.tokens == [21] * 3 and m.gamma_hist == [3] for m in modes)
 
 
 def test_other_tokens_than_plain_are_found():

@@ -5,8 +5,10 @@ search}.
 Each cell times three modes of its family on the same sentences (`--sentences` held-out sentences in
 batches of the cell's size): plain (gamma 0), the fixed speculative setting (gamma 4; beam search:
 gamma 1 with draft width K, the width auto uses) and gamma="auto". One untimed warm-up pass, then
-`--reps` passes, each running the three modes one after another in a rotating order (interleaved: load
-elsewhere hits them alike); a mode's speed is its median tokens/s over the passes. One
+`--reps` passes; a pass runs each batch of sentences in the three modes one after another, in an order
+that rotates from batch to batch and pass to pass (interleaved call by call: load elsewhere, which on
+this 2-core machine moved whole passes by 10-20%, hits the modes alike); a mode's speed is its median
+tokens/s over the passes. One
 `SpeculativeDecoder` per model serves every cell, as it would a user's session: what auto measures
 and learns is kept across its calls. Greedy decoding and beam search must return plain decoding's tokens
 under auto and the fixed setting: a cell where they do not is reported and the tool exits non-zero.
@@ -49,7 +51,7 @@ QUICK = dict(models=["shipped"], batches=[1, 2], threads=[1], reps=3)
 @dataclass
 class Mode:
     name: str  # "plain", "fixed" or "auto"
-    run: Callable[[], tuple[int, DecodeStats, list[list[int]]]]  # -> tokens, summed stats, the tokens
+    calls: list[Callable[[], tuple[int, DecodeStats, list[list[int]]]]]  # per batch -> tokens, stats, the tokens
     times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     gamma_hist: list[int] = field(default_factory=list)  # summed over the timed passes
@@ -90,40 +92,45 @@ def modes(dec: SpeculativeDecoder, family: str, inputs: list[tuple[torch.Tensor,
         method, settings = "sample", {"plain": dict(gamma=0), "fixed": dict(gamma=FIXED_GAMMA), "auto": dict(gamma="auto")}
         common = dict(temperature=1.0 if family == "sample" else 0.0)
 
-    def run(setting: dict) -> Callable[[], tuple[int, DecodeStats, list[list[int]]]]:
+    def call(setting: dict, i: int) -> Callable[[], tuple[int, DecodeStats, list[list[int]]]]:
+        source, max_length = inputs[i]
+
         def go() -> tuple[int, DecodeStats, list[list[int]]]:
-            outs = []
-            for i, (source, max_length) in enumerate(inputs):
-                kw = dict(common, **setting, max_length=max_length)
-                if family == "sample":  # each batch its own seed, the same in every pass and mode
-                    kw["generator"] = torch.Generator().manual_seed(seed + i)
-                outs.append(getattr(dec, method)(source, **kw))
-            stats = DecodeStats.total([o.stats for o in outs])
-            return stats.generated_tokens, stats, [t.tolist() for o in outs for t in o.tokens]
+            kw = dict(common, **setting, max_length=max_length)
+            if family == "sample":  # each batch its own seed, the same in every pass and mode
+                kw["generator"] = torch.Generator().manual_seed(seed + i)
+            out = getattr(dec, method)(source, **kw)
+            return out.stats.generated_tokens, out.stats, [t.tolist() for t in out.tokens]
         return go
 
-    return [Mode(name, run(setting)) for name, setting in settings.items()]
+    return [Mode(name, [call(setting, i) for i in range(len(inputs))]) for name, setting in settings.items()]
 
 
 def measure(cell_modes: list[Mode], reps: int) -> bool:
-    """The warm-up pass, then `reps` interleaved passes in a rotating order; returns whether every mode
-    returned the same tokens as plain in every pass (what greedy decoding and beam search must)."""
+    """The warm-up pass, then `reps` passes, each batch run in every mode in a rotating order; returns
+    whether every mode returned the same tokens as plain in every pass (what greedy decoding and beam
+    search must)."""
     same = True
-    reference = None
+    n_modes = len(cell_modes)
     for rep in range(reps + 1):
-        order = cell_modes[rep % len(cell_modes):] + cell_modes[: rep % len(cell_modes)]
-        for mode in order:
-            start = time.perf_counter()
-            n, stats, tokens = mode.run()
-            seconds = time.perf_counter() - start
-            if mode.name == "plain":
-                reference = tokens
-            elif reference is not None and tokens != reference:
-                same = False
-            if rep:  # pass 0 warms up: kernels, prepared weights, auto's cost model and first timings
-                mode.times.append(seconds)
-                mode.tokens.append(n)
-                mode.gamma_hist = _add(mode.gamma_hist, stats.gamma_hist)
+        seconds, tokens = [0.0] * n_modes, [0] * n_modes
+        hists: list[list[int]] = [[] for _ in cell_modes]
+        outs: list[list[list[int]]] = [[] for _ in cell_modes]
+        for i in range(len(cell_modes[0].calls)):
+            for m in [(rep + i + j) % n_modes for j in range(n_modes)]:
+                start = time.perf_counter()
+                n, call_stats, call_tokens = cell_modes[m].calls[i]()
+                seconds[m] += time.perf_counter() - start
+                tokens[m] += n
+                hists[m] = _add(hists[m], call_stats.gamma_hist)
+                outs[m] += call_tokens
+        reference = outs[[m.name for m in cell_modes].index("plain")]
+        same = same and all(out == reference for out in outs)
+        if rep:  # pass 0 warms up: kernels, prepared weights, auto's cost model and first timings
+            for m, mode in enumerate(cell_modes):
+                mode.times.append(seconds[m])
+                mode.tokens.append(tokens[m])
+                mode.gamma_hist = _add(mode.gamma_hist, hists[m])
     return same
 
 
