@@ -15,7 +15,7 @@ from .beam import SEMANTICS, BeamSemantics, beam_search_loop
 from .decoder import Decoder
 from .inputs import (
     check_beam_size, check_common, check_compile, check_draft_cond_scale, check_draft_width, check_float, check_gamma,
-    check_int, check_length_penalty, check_memory, eval_mode, prepare_source, useful_gamma, walk,
+    check_int, check_length_penalty, check_memory, default_draft_width, eval_mode, prepare_source, useful_gamma, walk,
 )
 from .measure import BEAM_GAMMAS, Costs
 from .results import Decoded, DecodeStats, most_used_gamma
@@ -174,10 +174,11 @@ class SpeculativeDecoder:
         progress: called with the beams' length as the search advances, as in `sample`.
 
         gamma: draft levels per cycle (0: plain beam search): gamma > 0 drafts steps with the early-exit
-        head (draft_width W >= beam_size candidates per level, default beam_size) and verifies them in
+        head (draft_width W >= beam_size candidates per level, default beam_size + ceil(beam_size / 4):
+        `inputs.default_draft_width`) and verifies them in
         tree passes, with the same result; "auto" (the default, since the result is the same at every
-        gamma) chooses per call between plain and speculative beam search (W: draft_width, default
-        beam_size) by timing its own calls, per batch size class, kept by this object; short plain and
+        gamma) chooses per call between plain and speculative beam search (W: draft_width, the same
+        default) by timing its own calls, per batch size class, kept by this object; short plain and
         speculative beam searches timed once per parameters, dtype, device, thread count, beam size and
         width seed the choice. A model without an early-exit head runs plain beam search under "auto".
 
@@ -201,7 +202,7 @@ class SpeculativeDecoder:
         if not auto:  # no level is drafted past max_length: the same search
             gamma = useful_gamma(gamma, max_length)
         draft_width = check_draft_width(draft_width, beam_size, vocab)
-        width = draft_width or beam_size
+        width = draft_width or check_draft_width(default_draft_width(beam_size), beam_size, vocab)
         stats, modules = self._begin()
         with eval_mode(self.model, modules):
             source = prepare_source(self.model, source, self.decoder.source_type, strict=source_mask is None)

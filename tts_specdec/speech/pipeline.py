@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from spear_tts_pytorch import TextToSemantic
 
-from ..inputs import check_cond_scale
+from ..inputs import check_cond_scale, default_draft_width
 from .checkpoint import Checkpoint, load_checkpoint
 from .features import MelConfig
 from .longtext import MAX_PIECE_CHARS, join_audio, split_text
@@ -67,7 +67,7 @@ class Mode:
         beams = f"beam search ({self.beam_size} beams"
         if not self.gamma:
             return beams + ")"
-        return f"speculative {beams}, gamma {self.gamma}, draft width {self.draft_width or self.beam_size})"
+        return f"speculative {beams}, gamma {self.gamma}, draft width {self.draft_width or default_draft_width(self.beam_size)})"
 
 
 MODES: dict[str, Mode] = {
