@@ -42,7 +42,7 @@ from tts_specdec import SpeculativeDecoder  # noqa: E402
 from tts_specdec._upstream import TextToSemantic, _spear, quiet_progress  # noqa: E402
 from tts_specdec.results import DecodeStats  # noqa: E402
 from tts_specdec.distill import distill_exit_head  # noqa: E402
-from tts_specdec.inputs import MAX_BEAM_SIZE, MAX_FIXED_GAMMA  # noqa: E402
+from tts_specdec.inputs import MAX_BEAM_SIZE, MAX_FIXED_GAMMA, default_draft_width  # noqa: E402
 from tts_specdec.speech import cli  # noqa: E402
 from tts_specdec.speech.atomic import atomic_file  # noqa: E402
 
@@ -200,7 +200,7 @@ def build_modes(setup: Setup, args: argparse.Namespace) -> list[Mode]:
     upstream_beam = None if args.skip_upstream_beam or args.skip_upstream else f"spear-tts generate (beam {k})"
     modes.append(Mode(f"ours beam search (beam {k})", ours("beam_search", beam_size=k, gamma=0), upstream_beam))
     if has_exit and _has_spec_beam():
-        widths = [w or k for w in args.draft_width]
+        widths = [w or default_draft_width(k) for w in args.draft_width]
         for bg in args.beam_gamma:
             for w in widths:
                 modes.append(Mode(f"ours speculative beam (beam {k}, gamma={bg}, W={w})",
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--beam-gamma", type=cli.int_in(1, MAX_FIXED_GAMMA), nargs="+", default=[1, 3],
                    help="draft levels per cycle of speculative beam search (a row per value and width)")
     p.add_argument("--draft-width", type=cli.int_at_least(0), nargs="+", default=[8, 12],
-                   help="draft beam widths W (>= beam size; 0: the beam size)")
+                   help="draft beam widths W (>= beam size; 0: the library's default, beam size + ceil(beam size / 4))")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0,
                    help="sampling rows keep the k most likely tokens, ours and spear-tts's (0: ours unfiltered, "

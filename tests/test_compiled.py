@@ -169,7 +169,7 @@ def test_beam_search_equals_default_path(models, compiled, source, name, cond_sc
     speculative beam search's draft levels and verify pass are compiled tree passes, padded to static
     sizes: the same hypotheses as the default path either way (ragged rows, items ending at EOS and at
     max_length, guidance)."""
-    for gamma, width in ((0, None), (2, None), (3, 5)):
+    for gamma, width in ((0, None), (2, None), (2, 3), (3, 5)):  # None: the default width (4 for 3 beams)
         kwargs = dict(beam_size=3, gamma=gamma, max_length=12, cond_scale=cond_scale, beam_semantics=semantics)
         if width:
             kwargs["draft_width"] = width

@@ -4,7 +4,7 @@ search}.
 
 Each cell times three modes of its family on the same sentences (`--sentences` held-out sentences in
 batches of the cell's size): plain (gamma 0), the fixed speculative setting (gamma 4; beam search:
-gamma 1 with draft width K, the width auto uses) and gamma="auto". One untimed warm-up pass, then
+gamma 1 at the default draft width, the width auto uses) and gamma="auto". One untimed warm-up pass, then
 `--reps` passes; a pass runs each batch of sentences in the three modes one after another, in an order
 that rotates from batch to batch and pass to pass (interleaved call by call: load elsewhere, which on
 this 2-core machine moved whole passes by 10-20%, hits the modes alike); a mode's speed is its median
@@ -43,7 +43,7 @@ MODELS = {"shipped": None, "width512": (512, 8)}  # widen(dim, heads) of the shi
 FAMILIES = ("sample", "greedy", "beam")
 BEAM_SIZE = 4
 FIXED_GAMMA = 4  # the fixed speculative setting of sampling and greedy decoding
-BEAM_GAMMA = 1  # and of beam search (at draft width K, auto's): the fastest fixed one wherever measured
+BEAM_GAMMA = 1  # and of beam search (at the default draft width, auto's): the fastest fixed one wherever measured
 MIN_REPS = 3  # fewer passes give no median worth the name
 QUICK = dict(models=["shipped"], batches=[1, 2], threads=[1], reps=3)
 
@@ -85,7 +85,7 @@ def batches(dec: SpeculativeDecoder, sentences: int, batch: int) -> list[tuple[t
 def modes(dec: SpeculativeDecoder, family: str, inputs: list[tuple[torch.Tensor, int]], seed: int) -> list[Mode]:
     """plain, fixed and auto of one family over `inputs`."""
     if family == "beam":
-        method, settings = "beam_search", {"plain": dict(gamma=0), "fixed": dict(gamma=BEAM_GAMMA, draft_width=BEAM_SIZE),
+        method, settings = "beam_search", {"plain": dict(gamma=0), "fixed": dict(gamma=BEAM_GAMMA),
                                            "auto": dict(gamma="auto")}
         common: dict = dict(beam_size=BEAM_SIZE)
     else:

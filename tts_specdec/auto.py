@@ -61,7 +61,7 @@ EXPLORE_CALLS = 2
 # the others ran REVISIT times its own run's seconds runs once whatever the draws (a slower arm gets at
 # most ~1/REVISIT of the time, and an estimate made under other conditions is checked again); where plain
 # decoding is the fastest, the speculative arms but the fastest of them wait as many times longer as
-# there are speculative arms: together they cost about one such share.
+# there are speculative arms: together they cost under two such shares (1.75 with four arms, not four).
 REVISIT = 64
 # an arm's sums fade by TIME_KEEP per run of it: they follow a slow drift but rest on up to
 # 1 / (1 - TIME_KEEP) runs
@@ -222,7 +222,7 @@ class Arms:
         """The first arm due for a revisit: one that has not run while the others ran REVISIT times its
         own run's seconds. Where plain decoding is the fastest, only the fastest speculative arm keeps
         that interval, the others' is as many times longer as there are speculative arms (together they
-        cost about what one costs: ~1/REVISIT of the time, not one such share each)."""
+        cost under two shares of ~1/REVISIT of the time, not one share each)."""
         typical = sum(self._seconds(a) for a in ran) / len(ran)  # seconds of a run
         speculative = [arm for arm in ran if arm != PLAIN]
         lead = min(speculative, key=lambda arm: self.rate(arm)[0]) if speculative else None
