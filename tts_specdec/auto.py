@@ -224,8 +224,7 @@ class Arms:
         that interval, the others' is as many times longer as there are speculative arms (together they
         cost under two shares of ~1/REVISIT of the time, not one share each)."""
         typical = sum(self._seconds(a) for a in ran) / len(ran)  # seconds of a run
-        speculative = [arm for arm in ran if arm != PLAIN]
-        lead = min(speculative, key=lambda arm: self.rate(arm)[0]) if speculative else None
+        lead = self.best([arm for arm in ran if arm != PLAIN])  # the fastest speculative arm (None: none ran)
         spread = len([arm for arm in arms if arm != PLAIN])
         for arm in arms:
             if arm == best:
