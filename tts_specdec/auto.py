@@ -53,21 +53,17 @@ DRAFT_CONFIDENCE = 0.9
 # EXPLORE_CALLS calls each (two: the least that gives a spread).
 EXPLORE_CYCLES = 4
 EXPLORE_CALLS = 2
-# a run of plain steps (EXPLORE_SECONDS, every row) is as steady as several cycles: where an arm's run
-# count is checked against `explore`, plain decoding's counts double (it explores in half the runs: in a
-# batch's short tails at width 512, four plain runs per row class at half speculation's speed were most of
-# what auto lost to a fixed gamma)
-PLAIN_RUN_WEIGHT = 2
 # after that, where plain decoding has the lowest seconds per token it runs; where a speculative arm has,
 # the speculative arm with the lowest seconds per token drawn from its estimate and standard error runs
 # (Thompson sampling among speculative arms, close alternatives: one runs about as often as it might
 # still be the faster). Drawn against plain decoding too, four speculative arms' noisy estimates took a
 # fifth of the time at 0.75-0.85x of plain on the shipped model at batch 4. An arm that has not run while
 # the others ran REVISIT times its own run's seconds runs once whatever the draws (a slower arm gets at
-# most ~1/REVISIT of the time, and an estimate made under other conditions is checked again); the arms
-# but the runner-up wait as many times longer as there are arms besides the best: together they cost
-# under two such shares (1.75 with five arms, not four). At width 512, batch 8, the best speculative arm
-# led and gamma 10 with and without stops, at 0.5-0.6x of its speed, took one share each.
+# most ~1/REVISIT of the time, and an estimate made under other conditions is checked again). Plain
+# decoding and the runner-up keep that interval, the other speculative arms wait as many times longer as
+# there are arms besides the best: at width 512, batch 8, the best speculative arm led while gamma 10
+# with and without stops, at 0.5-0.6x of its speed, took one share each. Plain decoding is never spread:
+# a wrong early estimate of it (two unlucky runs) must not let slower speculation run for long.
 REVISIT = 64
 # an arm's sums fade by TIME_KEEP per run of it: they follow a slow drift but rest on up to
 # 1 / (1 - TIME_KEEP) runs
@@ -165,11 +161,10 @@ class Arms:
     token and its variance), and the choice of the next arm from them (see EXPLORE_CYCLES, REVISIT).
     Kept across calls by `measure.Costs`, one per row class."""
 
-    def __init__(self, explore: int, plain_weight: int = 1) -> None:
-        """`explore`: runs each arm takes first; `plain_weight`: what one run of PLAIN counts for there."""
-        if explore < 1 or plain_weight < 1:
-            raise ValueError(f"explore and plain_weight must be >= 1, got {explore}, {plain_weight}")
-        self.explore, self.plain_weight = explore, plain_weight
+    def __init__(self, explore: int) -> None:
+        if explore < 1:
+            raise ValueError(f"explore must be >= 1, got {explore}")
+        self.explore = explore
         self.sums: dict[str, list[float]] = {}  # arm -> n, s, t, s*s, t*t, s*t
         self.runs: dict[str, int] = {}
         self.seconds = 0.0  # booked under every arm
@@ -198,8 +193,8 @@ class Arms:
         than `self.explore` times, the one that ran least (in turn: load elsewhere hits each alike); else
         the first arm due for a revisit (`_due`); else, where plain decoding (or plain beam search) is the
         fastest, that; else the lowest draw among the speculative arms."""
-        least = min(arms if explore is None else explore, key=self._explored)
-        if self._explored(least) < self.explore:
+        least = min(arms if explore is None else explore, key=lambda arm: self.runs.get(arm, 0))
+        if self.runs.get(least, 0) < self.explore:
             return least
         ran = [arm for arm in arms if arm in self.sums]
         if not ran:
@@ -225,15 +220,11 @@ class Arms:
             return best
         return drawn
 
-    def _explored(self, arm: str) -> int:
-        """The arm's runs, counted against `explore` (see PLAIN_RUN_WEIGHT)."""
-        return self.runs.get(arm, 0) * (self.plain_weight if arm == PLAIN else 1)
-
     def _due(self, arms: Sequence[str], ran: Sequence[str], best: str) -> str | None:
         """The first arm due for a revisit: one that has not run while the others ran REVISIT times its
-        own run's seconds. Only the runner-up (the fastest arm but the best) keeps that interval; the
-        others' is as many times longer as there are arms besides the best (together they cost under two
-        shares of ~1/REVISIT of the time, not one share each)."""
+        own run's seconds. Plain decoding (what every speculative arm must beat) and the runner-up (the
+        fastest arm but the best) keep that interval; the other speculative arms' is as many times longer
+        as there are arms besides the best (together they cost about one more such share, not one each)."""
         typical = sum(self._seconds(a) for a in ran) / len(ran)  # seconds of a run
         runner = self.best([arm for arm in ran if arm != best])  # None: only the best ran
         spread = len(arms) - 1
@@ -241,7 +232,7 @@ class Arms:
             if arm == best:
                 continue
             own = self._seconds(arm) if arm in self.sums else typical
-            every = REVISIT * (1 if arm == runner else spread)
+            every = REVISIT * (1 if arm in (PLAIN, runner) else spread)
             if self.seconds - self._last.get(arm, 0.0) >= every * own:
                 return arm
         return None
@@ -304,7 +295,7 @@ class SamplingPolicy:
         """(gamma, draft_confidence) for the next cycle of `rows` running rows; gamma 0: plain steps."""
         now = self._clock()
         self._book(now)
-        table = self.tables.setdefault(row_class(rows), Arms(EXPLORE_CYCLES, PLAIN_RUN_WEIGHT))
+        table = self.tables.setdefault(row_class(rows), Arms(EXPLORE_CYCLES))
         gamma = self._choose(self.alpha) if self.pays else 0
         arms = self.arms_at(rows, gamma)
         arm = table.pick(arms) if gamma else PLAIN
