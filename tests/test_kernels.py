@@ -501,3 +501,26 @@ def test_fingerprint_sees_every_change():
     wide = torch.randn(6, 10, generator=g)
     assert kernels.fingerprint([wide[:, ::2]]) == kernels.fingerprint([wide[:, ::2].contiguous()])
     assert kernels.fingerprint([torch.empty(3, device="meta")]) is None
+
+
+def test_fingerprint_is_the_same_on_any_thread_count():
+    """Over 4 MB the tensors are dealt to torch's threads: every tensor's sums are the same as on one
+    thread, and its first sum is the sum of its 32-bit words mod 2^64 (a strided one's as its copy)."""
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=g) for n in (3, 1 << 20, 5, 300_001, 1 << 18, 77)]
+    tensors.append(torch.randn(700, 900, generator=g)[:, ::3])  # strided
+    assert sum(t.numel() * 4 for t in tensors) > 1 << 22
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.fingerprint(tensors)
+        torch.set_num_threads(max(2, threads))
+        many = kernels.fingerprint(tensors)
+    finally:
+        torch.set_num_threads(threads)
+    assert many == one
+    for i, t in enumerate(tensors):
+        words = t.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        assert one[2 * i] % 2**64 == int(words.sum()) % 2**64
