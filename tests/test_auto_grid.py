@@ -68,7 +68,12 @@ def test_cell_ratios():
     assert cell["tokens_per_s"] == {"plain": 100, "fixed": 150, "auto": 140}
     assert cell["auto_vs_plain"] == pytest.approx(1.4) and cell["auto_vs_best"] == pytest.approx(140 / 150)
     assert cell["fixed_vs_plain"] == pytest.approx(1.5) and cell["per_pass_auto_vs_plain"] == pytest.approx([1.4] * 3)
-    assert "| shipped | 1 | 2 | greedy | 100.0 | 1.50 | 1.40 | 0.93 |" in auto_grid.table([cell])
+    assert cell["per_pass_auto_vs_best"] == pytest.approx([140 / 150] * 3)
+    assert "| shipped | 1 | 2 | greedy | 100.0 | 1.50 | 1.40 | 0.93 | 0.93-0.93 |" in auto_grid.table([cell])
+    modes[2].times = [1.0, 2.0, 1.4]  # a slow third pass: the median holds, the range shows it
+    spread = auto_grid.cell_result("shipped", 1, 2, "greedy", modes, True)
+    assert spread["auto_vs_best"] == pytest.approx(140 / 150)
+    assert "| 0.93 | 0.67-0.93 |" in auto_grid.table([spread])
     assert auto_grid.cell_result("shipped", 1, 2, "sample", modes, False)["same_tokens"] is None  # sampled: no check
 
 
