@@ -201,8 +201,8 @@ class SpeculativeDecoder:
         has_draft = self.decoder.exit_layer is not None
         if not auto:  # no level is drafted past max_length: the same search
             gamma = useful_gamma(gamma, max_length)
-        draft_width = check_draft_width(draft_width, beam_size, vocab)
-        width = draft_width or check_draft_width(default_draft_width(beam_size), beam_size, vocab)
+        width = check_draft_width(default_draft_width(beam_size) if draft_width is None else draft_width, beam_size,
+                                  vocab)
         stats, modules = self._begin()
         with eval_mode(self.model, modules):
             source = prepare_source(self.model, source, self.decoder.source_type, strict=source_mask is None)

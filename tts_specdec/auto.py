@@ -63,7 +63,7 @@ EXPLORE_CALLS = 2
 # decoding and the runner-up keep that interval, the other speculative arms wait as many times longer as
 # there are arms besides the best: at width 512, batch 8, the best speculative arm led while gamma 10
 # with and without stops, at 0.5-0.6x of its speed, took one share each. Plain decoding is never spread:
-# a wrong early estimate of it (two unlucky runs) must not let slower speculation run for long.
+# a wrong early estimate of it (a few unlucky runs) must not let slower speculation run for long.
 REVISIT = 64
 # an arm's sums fade by TIME_KEEP per run of it: they follow a slow drift but rest on up to
 # 1 / (1 - TIME_KEEP) runs
