@@ -405,6 +405,30 @@ def test_cuda_graphs_beam_search_equals_default_path(gamma):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("gamma", [0, 4], ids=["plain", "spec"])
+def test_cuda_recorded_runs_equal_a_graph_per_step(gamma):
+    """Recorded runs on the GPU (a plain run or a whole speculative sampling cycle captured as one CUDA
+    graph, TTS_SPECDEC_RECORD_RUNS): the tokens of one graph per step, greedy and from the same seed, batch
+    1 and a ragged batch of 3; a capture that fails raises, so this also proves the capture holds."""
+    from tts_specdec.speech import load_default
+
+    model = load_default().model.cuda()
+    texts = ["the quick brown fox jumps over the lazy dog", "hello there", "a third, longer sentence to read aloud"]
+    decoders = []
+    for record in (False, True):
+        dec = SpeculativeDecoder(model, compile=True)
+        dec.sample(texts[:1], temperature=0.0, gamma=gamma, max_length=2)  # the backend is chosen on the first call
+        dec.decoder.backend.record_runs = record
+        decoders.append(dec)
+    for batch in (texts[:1], texts):
+        for temperature in (0.0, 1.0):
+            step, recorded = (d.sample(batch, temperature=temperature, gamma=gamma, max_length=200,
+                                       generator=torch.Generator("cuda").manual_seed(3)) for d in decoders)
+            assert_same_tokens(recorded.tokens, step.tokens)
+    assert decoders[1].decoder.backend._runs, "nothing was recorded"
+
+
+@pytest.mark.cuda
 def test_cuda_plain_steps_do_not_synchronise():
     """A run of compiled plain steps (greedy and sampling) makes no synchronising CUDA call: checked with
     torch.cuda.set_sync_debug_mode("error") on a call after the graphs were recorded (the loop's one

@@ -27,12 +27,12 @@ from tts_specdec.speech import load_default  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 MODES = {
-    "sample": lambda d, g: d.sample([TEXT], temperature=1.0, gamma=0, max_length=424, generator=g),
-    "spec_sample": lambda d, g: d.sample([TEXT], temperature=1.0, gamma=4, max_length=424, generator=g),
-    "greedy": lambda d, g: d.sample([TEXT], temperature=0.0, gamma=0, max_length=424),
-    "spec_greedy": lambda d, g: d.sample([TEXT], temperature=0.0, gamma=4, max_length=424),
-    "beam": lambda d, g: d.beam_search([TEXT], beam_size=4, gamma=0, max_length=424),
-    "spec_beam": lambda d, g: d.beam_search([TEXT], beam_size=4, gamma=1, draft_width=8, max_length=424),
+    "sample": lambda d, g, t: d.sample([t], temperature=1.0, gamma=0, max_length=424, generator=g),
+    "spec_sample": lambda d, g, t: d.sample([t], temperature=1.0, gamma=4, max_length=424, generator=g),
+    "greedy": lambda d, g, t: d.sample([t], temperature=0.0, gamma=0, max_length=424),
+    "spec_greedy": lambda d, g, t: d.sample([t], temperature=0.0, gamma=4, max_length=424),
+    "beam": lambda d, g, t: d.beam_search([t], beam_size=4, gamma=0, max_length=424),
+    "spec_beam": lambda d, g, t: d.beam_search([t], beam_size=4, gamma=1, draft_width=8, max_length=424),
 }
 
 
@@ -40,10 +40,21 @@ def tokens_of(out) -> int:
     return int(out.stats.generated_tokens)
 
 
+def texts_for(sentences: int) -> list[str]:
+    """The one fixed sentence, or that many held-out corpus sentences (decoded one at a time)."""
+    if sentences <= 1:
+        return [TEXT]
+    from tts_specdec.speech.references import heldout_sentences
+
+    return list(heldout_sentences(sentences))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--sentences", type=int, default=1,
+                   help="decode this many held-out sentences one at a time per repetition (1: the fixed sentence)")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script (no device times)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: a quick dry run)")
     p.add_argument("--profile", action="store_true", help="also profile one decode per mode")
@@ -59,29 +70,41 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__, "modes": {}}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
+    texts = texts_for(args.sentences)
+    report["sentences"] = len(texts)
     for name in args.modes:
-        run = MODES[name]
+        mode = MODES[name]
+        run = lambda d, g, mode=mode: mode(d, g, texts[0])  # noqa: E731  (the profiled decode)
         g = torch.Generator(device=args.device)
         t0 = time.perf_counter()
         g.manual_seed(0)
         run(dec, g)
         sync()
         warm = time.perf_counter() - t0
-        g.manual_seed(0)
-        run(dec, g)  # a second call: CUDA graphs are recorded on the first replays
-        seconds, tokens = 0.0, 0
+        for text in texts:  # a second call of each shape: CUDA graphs are recorded on the first replays
+            g.manual_seed(0)
+            mode(dec, g, text)
+        sync()
+        seconds, tokens, accepted, judged = 0.0, 0, 0, 0
         for rep in range(args.reps):
-            g.manual_seed(rep)
-            sync()
-            t = time.perf_counter()
-            out = run(dec, g)
-            sync()
-            seconds += time.perf_counter() - t
-            tokens += tokens_of(out)
+            for i, text in enumerate(texts):
+                g.manual_seed(rep * len(texts) + i)
+                sync()
+                t = time.perf_counter()
+                out = mode(dec, g, text)
+                sync()
+                seconds += time.perf_counter() - t
+                tokens += tokens_of(out)
+                accepted += out.stats.accepted
+                judged += out.stats.accepted + out.stats.rejections
         fig = {"first_call_s": warm, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        if judged:
+            fig["alpha"] = accepted / judged  # the acceptance over every timed decode
         report["modes"][name] = fig
-        print(f"\n== {name}: {fig['tokens_per_s']:.1f} tokens/s ({tokens} tokens in {args.reps} decodes, first call "
-              f"{warm:.1f} s)", flush=True)
+        print(f"\n== {name}: {fig['tokens_per_s']:.1f} tokens/s ({tokens} tokens in {args.reps * len(texts)} decodes, first call "
+              f"{warm:.1f} s{', alpha %.2f' % fig['alpha'] if judged else ''})", flush=True)
+        if args.out:  # after every mode: a run stopped at its time limit keeps what it measured
+            (args.out / "profile.json").write_text(json.dumps(report, indent=2))
         if not args.profile:
             continue
         g.manual_seed(0)
