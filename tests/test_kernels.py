@@ -163,6 +163,33 @@ def test_row_result_independent_of_batch(threads, isa_restored):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streamed_weights_sum_as_cache_resident_ones(threads, isa_restored):
+    """A matrix beyond 1 MB streams from memory and takes other tiles (unrolled term loops, tiles that
+    share the asks ahead: `small_gemm.cpp`'s kStreamBytes): every row count gives each row's bits alone,
+    and the bits of the same columns multiplied as cache-resident slices (the same sums in the same
+    order), a last slab of 10 terms and a partial group of panels included."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(5)
+        w = torch.randn(650, 464, generator=g)  # 1.2 MB: 21 slabs of terms, the last 10; 29 panels
+        big, parts = Packed(w), [Packed(w[:, c : c + 128]) for c in range(0, 464, 128)]  # <= 333 KB each
+        assert big.panels.numel() * 4 > 1 << 20 and all(q.panels.numel() * 4 < 1 << 20 for q in parts)
+        x, bias = torch.randn(33, 650, generator=g), torch.randn(464, generator=g)
+        for isa in _isas():
+            kernels.isa(isa)
+            alone = torch.cat([big(x[i : i + 1], bias, normalize=True) for i in range(33)])
+            sliced = torch.cat([q(x, bias[c : c + 128], normalize=True) for q, c in zip(parts, range(0, 464, 128))], 1)
+            assert torch.equal(alone, sliced), isa
+            for rows in [*range(1, 17), 20, 28, 29, 33]:
+                for first in (0, 33 - rows):
+                    got = big(x[first : first + rows], bias, normalize=True)
+                    assert torch.equal(got, alone[first : first + rows]), (isa, rows, first)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_instruction_sets_give_the_same_bits(isa_restored):
     """AVX2 and AVX-512 sum every element in the same order: the same bits (so a result does not
     depend on the machine's vector width either), for products, residuals and normalised rows."""
