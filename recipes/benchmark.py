@@ -375,8 +375,9 @@ def machine_info(device: str) -> dict:
     else:
         from tts_specdec import kernels
 
-        info["small_product_kernel"] = kernels.unavailable_reason() or "on"
-        if not kernels.unavailable_reason():  # which tiles ran: the same "AMD EPYC" may be a Zen 3 (AVX2) or Zen 4
+        reason = kernels.unavailable_reason()
+        info["small_product_kernel"] = reason or "on"
+        if not reason:  # which tiles ran: the same "AMD EPYC" may be a Zen 3 (AVX2) or Zen 4
             info["isa"] = kernels.isa()
     return info
 
