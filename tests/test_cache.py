@@ -57,8 +57,9 @@ def test_crop_moves_lengths_only():
 
 @pytest.mark.parametrize(
     "index",
-    [[2, 0, 3, 1], [1, 0, 2, 3], [0, 1, 2, 3], [3, 3, 0, 0], [2, 0], [1], [0, 0, 1, 1, 2, 2]],
-    ids=["permutation", "swap", "identity", "beams", "fewer", "one", "more"],
+    [[2, 0, 3, 1], [1, 0, 2, 3], [0, 1, 2, 3], [3, 3, 0, 0], [0, 0, 2, 2], [1, 1, 3, 0], [2, 0], [1], [0, 0, 1, 1, 2, 2]],
+    # kept roots: sources that stay in place are read where they are; mixed: some sources are overwritten
+    ids=["permutation", "swap", "identity", "beams", "kept roots", "mixed", "fewer", "one", "more"],
 )
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["torch", "kernel"])  # float32: the C++ path
 def test_reorder_gathers_rows(index, dtype):

@@ -3,6 +3,10 @@ an n-row product over 40 packed (512, 1536) matrices (126 MB, far beyond the L3 
 1-row one, row counts interleaved within each repetition. What a verify pass over n tokens costs in
 products, next to a plain step (docs/performance.md).
 
+It also times the same tiles on one 3 MB matrix that stays in the L3 cache (no memory stream), and prints
+the floor their best rate there sets: an n-row streamed product takes at least the longer of a one-row
+pass (the stream) and its arithmetic at that rate, however well the two overlap.
+
     .venv/bin/python tools/gemm_rows.py [--threads 2] [--isa avx2] [--store bfloat16] [--json benchmarks/gemm_rows.json]
 """
 
@@ -47,21 +51,51 @@ def main() -> None:
             if rep:  # the first pass warms up
                 times[rows].append(time.perf_counter() - start)
     median = {rows: statistics.median(t) for rows, t in times.items()}
+    in_cache = _in_cache_gflops(args.store, args.reps)
+    best = max(in_cache.values())
     m_size = mats[0].panels.element_size()  # bytes per weight
     print(f"{isa}, {args.store} panels, {args.threads} threads, weights {size / 1e6:.0f} MB, median of {args.reps}")
+    own, floor = {}, {}  # the arithmetic alone at the tiles' in-cache rate for that row count, and at their best
     for rows in ROWS:
-        t = median[rows]
+        t, flops = median[rows], 2 * rows * size / m_size
+        own[rows] = flops / (in_cache[rows] * 1e9) / median[1]
+        floor[rows] = max(1.0, flops / (best * 1e9) / median[1])
         print(f"rows {rows:2d}: {t * 1e3:6.2f} ms, weights read at {size / t / 1e9:5.1f} GB/s, "
-              f"{2 * rows * size / m_size / t / 1e9:5.1f} GFLOPS, {t / median[1]:.2f}x of one row")
+              f"{flops / t / 1e9:5.1f} GFLOPS, {t / median[1]:.2f}x of one row; arithmetic alone at "
+              f"{in_cache[rows]:5.1f} GFLOPS (in cache) {own[rows]:.2f}x, floor {floor[rows]:.2f}x")
+    print(f"floor: the longer of the stream (one row) and the arithmetic at the tiles' best in-cache rate, {best:.1f} GFLOPS")
     if args.json:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
         from benchmark import machine_info
 
         out = {"command": " ".join(["tools/gemm_rows.py", *sys.argv[1:]]), "machine": machine_info("cpu"), "isa": isa,
                "store": args.store,
-               "threads": args.threads, "weights_mb": size / 1e6,
-               "rows": {str(r): {"ms": median[r] * 1e3, "x_one_row": median[r] / median[1]} for r in ROWS}}
+               "threads": args.threads, "weights_mb": size / 1e6, "best_in_cache_gflops": best,
+               "rows": {str(r): {"ms": median[r] * 1e3, "x_one_row": median[r] / median[1],
+                                 "in_cache_gflops": in_cache[r], "arithmetic_x_one_row": own[r],
+                                 "floor_x_one_row": floor[r]} for r in ROWS}}
         args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def _in_cache_gflops(store: str, reps: int) -> dict[int, float]:
+    """GFLOPS of the same tiles on one (512, 1536) matrix (3 MB as float32) that stays in the L3 cache:
+    each row count's product repeated, so its weights never come from memory. The best of them is the
+    rate the tiles' arithmetic reaches on this machine and thread count (few rows are bound by reading
+    the cache instead)."""
+    mat = Packed(torch.randn(512, 1536), store=getattr(torch, store))
+    calls = 40
+    rate: dict[int, float] = {}
+    for rows in ROWS:
+        x = torch.randn(rows, 512)
+        mat(x)
+        runs = []
+        for _ in range(max(3, reps)):
+            start = time.perf_counter()
+            for _ in range(calls):
+                mat(x)
+            runs.append(time.perf_counter() - start)
+        rate[rows] = 2 * rows * 512 * 1536 * calls / statistics.median(runs) / 1e9
+    return rate
 
 
 if __name__ == "__main__":
