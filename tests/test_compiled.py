@@ -108,6 +108,8 @@ def test_recorded_runs_decode_as_graph_per_step(models, compiled, source, kwargs
     monkeypatch.setattr(static_compiled._Run, "_body", body_without_a_default_device)
     # the steps as plain Python, outside the meta default (a torch function mode)
     monkeypatch.setattr(StaticCompiled, "_graph", uncompiled_graph)
+    # a cycle per run: the batch's rows end at different cycles (runs of cycles: the next test)
+    monkeypatch.setattr(speculative, "CYCLES_PER_RUN", 1)
     kwargs = dict(kwargs, cond_scale=2.0, max_length=MAX_LEN)
     dec = SpeculativeDecoder(models["cfg"], compile=BACKEND)
     dec.sample(source[:1], **dict(kwargs, max_length=2))  # the backend is chosen on the first call
@@ -124,6 +126,42 @@ def test_recorded_runs_decode_as_graph_per_step(models, compiled, source, kwargs
     assert_same_tokens(again.tokens, ref.tokens)
     assert again.stats.layer_evals == ref.stats.layer_evals
     assert all(backend._runs[k] is r for k, r in runs.items())
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.0, gamma=3), dict(temperature=0.0, gamma=4, draft_confidence=0.6),
+                                    dict(temperature=0.8, gamma=3), dict(temperature=0.8, top_k=5, gamma=4, draft_confidence=0.6)],
+                         ids=["greedy", "greedy-stops", "sample", "sample-stops"])
+def test_runs_of_cycles_decode_as_a_cycle_per_run(models, source, kwargs, monkeypatch):
+    """Where cycles are recorded, a run holds up to CYCLES_PER_RUN cycles (one launch, one read-back) and
+    every row takes every cycle of it; what a row took after its end is dropped. Greedy: the same tokens as
+    one graph per step for a ragged batch (rows end at EOS and at max_length in the middle of runs), with
+    guidance. Sampling: each row alone gives the same tokens from the same seed (the run draws the step-by-step
+    order); in a batch a row that ended still draws until its run ends, so a seeded batch differs, as
+    plain runs do (`test_sampling_keeps_its_law`)."""
+    monkeypatch.setattr(StaticCompiled, "_graph", uncompiled_graph)
+    kwargs = dict(kwargs, cond_scale=2.0, max_length=MAX_LEN)
+    # a cycle per run (not recorded: on the CPU the default), and runs of cycles; decoders of their own (the
+    # module's keep their buffer pools to the shapes other tests ask for)
+    per_cycle, dec = (SpeculativeDecoder(models["cfg"], compile=BACKEND) for _ in range(2))
+    dec.sample(source[:1], **dict(kwargs, max_length=2))  # the backend is chosen on the first call
+    backend = dec.decoder.backend
+    backend.record_runs = True
+    calls = []
+    run_cycle = backend.run_cycle
+    monkeypatch.setattr(backend, "run_cycle", lambda *a, **k: calls.append(a[1][2]) or run_cycle(*a, **k))
+    seeded = lambda: dict(generator=torch.Generator().manual_seed(4)) if kwargs["temperature"] else {}  # noqa: E731
+    batches = [source] if kwargs["temperature"] == 0 else [source[i : i + 1] for i in range(source.shape[0])]
+    for batch in batches:
+        ref = per_cycle.sample(batch, **seeded(), **kwargs)
+        calls.clear()
+        out = dec.sample(batch, **seeded(), **kwargs)
+        assert_same_tokens(out.tokens, ref.tokens)
+        if max(t.numel() for t in ref.tokens) > 8:
+            assert max(calls) == speculative.CYCLES_PER_RUN, calls  # runs of several cycles happened
+        cycles = sum(calls)
+        assert out.stats.steps == cycles and len(calls) < cycles  # fewer read-backs than cycles
+        if kwargs["temperature"] == 0:
+            assert (out.stats.accepted, out.stats.drafted) == (ref.stats.accepted, ref.stats.drafted)
 
 
 def test_seeded_sampling_repeats(compiled, source):
@@ -408,8 +446,10 @@ def test_cuda_graphs_beam_search_equals_default_path(gamma):
 @pytest.mark.parametrize("gamma", [0, 4], ids=["plain", "spec"])
 def test_cuda_recorded_runs_equal_a_graph_per_step(gamma):
     """Recorded runs on the GPU (a plain run or a whole speculative sampling cycle captured as one CUDA
-    graph, TTS_SPECDEC_RECORD_RUNS): the tokens of one graph per step, greedy and from the same seed, batch
-    1 and a ragged batch of 3; a capture that fails raises, so this also proves the capture holds."""
+    graph, TTS_SPECDEC_RECORD_RUNS; speculative: runs of cycles): the tokens of one graph per step, greedy
+    and from the same seed, batch 1 and a ragged batch of 3 (speculative sampling: batch 1 only, a row that
+    ended drawing on to the end of its run); a capture that fails raises, so this also proves the capture
+    holds."""
     from tts_specdec.speech import load_default
 
     model = load_default().model.cuda()
@@ -421,7 +461,7 @@ def test_cuda_recorded_runs_equal_a_graph_per_step(gamma):
         dec.decoder.backend.record_runs = record
         decoders.append(dec)
     for batch in (texts[:1], texts):
-        for temperature in (0.0, 1.0):
+        for temperature in (0.0, 1.0) if gamma == 0 or len(batch) == 1 else (0.0,):
             step, recorded = (d.sample(batch, temperature=temperature, gamma=gamma, max_length=200,
                                        generator=torch.Generator("cuda").manual_seed(3)) for d in decoders)
             assert_same_tokens(recorded.tokens, step.tokens)

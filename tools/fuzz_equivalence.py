@@ -12,11 +12,14 @@ Prints every failing case with what is needed to rebuild it. Run it on every pat
     python tools/fuzz_equivalence.py --seed 1 --seconds 300
     TTS_SPECDEC_KERNELS=0 python tools/fuzz_equivalence.py --seed 2 --seconds 300
     python tools/fuzz_equivalence.py --seed 3 --seconds 300 --compile aot_eager
+    python tools/fuzz_equivalence.py --seed 5 --seconds 300 --compile none --record-runs
     python tools/fuzz_equivalence.py --seed 4 --seconds 300 --dtype bfloat16   # also with TTS_SPECDEC_KERNELS=0
 
 --compile B decodes with `SpeculativeDecoder(model, compile=B)` (static compiled steps) and takes the plain
 references (greedy, beam) from the default path, in float64 so that the two paths' arithmetic (~1e-15 apart)
 cannot flip a token; every case compiles its own graphs (seconds each).
+--compile none runs the static path's step functions uncompiled (its loops and bookkeeping, many cases).
+--record-runs runs what a GPU records (runs of plain steps, runs of up to 4 speculative cycles) unrecorded.
 --dtype bfloat16 converts every model with `model.to(torch.bfloat16)` (on the kernels: bfloat16 panels).
 """
 
@@ -100,11 +103,26 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seconds", type=float, default=60.0)
-    p.add_argument("--compile", default=None, help="a torch.compile backend (aot_eager, inductor): decode compiled")
+    p.add_argument("--compile", default=None,
+                   help="a torch.compile backend (aot_eager, inductor): decode compiled; none: the static path uncompiled")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the models' dtype (not with --compile)")
+    p.add_argument("--record-runs", action="store_true",
+                   help="with --compile: decode as where runs are recorded (on a GPU), here unrecorded: plain runs and "
+                        "runs of speculative cycles on their own buffers and random numbers")
     args = p.parse_args()
     if args.compile and args.dtype != "float32":
         p.error("--dtype: the compiled path is checked in float64 against the default path")
+    if args.record_runs:
+        if not args.compile:
+            p.error("--record-runs: only with --compile")
+        from tts_specdec.backends import StaticCompiled
+
+        StaticCompiled.records = lambda self, device: True
+    if args.compile == "none":  # the static path's step functions as plain Python: many more cases a minute
+        from conftest import uncompiled_graph
+        from tts_specdec.backends import StaticCompiled
+
+        StaticCompiled._graph = uncompiled_graph
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
     end, cases, failures = time.time() + args.seconds, 0, 0
@@ -119,7 +137,8 @@ def main() -> int:
         try:
             if args.compile:
                 model = make_model(seed, dtype=torch.float64, **cfg)
-                dec, ref = SpeculativeDecoder(model, compile=args.compile), SpeculativeDecoder(model)
+                backend = "aot_eager" if args.compile == "none" else args.compile  # none: `_graph` never compiles
+                dec, ref = SpeculativeDecoder(model, compile=backend), SpeculativeDecoder(model)
             else:
                 dec = ref = SpeculativeDecoder(make_model(seed, **cfg).to(getattr(torch, args.dtype)))
             kind = rng.choice(["greedy", "greedy", "beam", "sample"])

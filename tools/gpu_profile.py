@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tts_specdec import SpeculativeDecoder  # noqa: E402
+from tts_specdec import SpeculativeDecoder, speculative  # noqa: E402
 from tts_specdec.speech import load_default  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
@@ -34,6 +34,22 @@ MODES = {
     "beam": lambda d, g, t: d.beam_search([t], beam_size=4, gamma=0, max_length=424),
     "spec_beam": lambda d, g, t: d.beam_search([t], beam_size=4, gamma=1, draft_width=8, max_length=424),
 }
+
+
+
+def _a_cycle_per_run(mode):
+    """`mode` with one speculative cycle per recorded run (TTS_SPECDEC_RECORD_RUNS=1 runs up to
+    `speculative.CYCLES_PER_RUN`): the read-back per cycle that runs of cycles remove, side by side."""
+    def run(d, g, t):
+        saved, speculative.CYCLES_PER_RUN = speculative.CYCLES_PER_RUN, 1
+        try:
+            return mode(d, g, t)
+        finally:
+            speculative.CYCLES_PER_RUN = saved
+    return run
+
+
+MODES["spec_sample_1cycle"] = _a_cycle_per_run(MODES["spec_sample"])
 
 
 def tokens_of(out) -> int:

@@ -35,6 +35,11 @@ from .timing import PhaseClock
 # plain sampling steps per kernel call: the call's fixed cost spread over them; a run ends early
 # at EOS, so longer runs waste nothing
 PLAIN_STEPS = 32
+# speculative cycles per run where a backend records cycles (`Backend.records`: CUDA graphs): one launch
+# and one read-back per run instead of per cycle. A row's cycles after its end are computed and dropped, as
+# a plain run's steps are; runs of 1, 2 or 4 cycles (each length is a recorded graph), as many as fit the
+# cache's capacity without growing it (a new capacity compiles new graphs)
+CYCLES_PER_RUN = 4
 
 
 class Policy(Protocol):
@@ -133,36 +138,52 @@ def sample_loop(
         t0 = clock.mark()
         if not g:  # plain steps, several per call where the backend fuses them
             tokens, rows.x = dec.backend.plain_steps(rows.x, pos_t, steps, cfg, generator, enc, cache, cond_scale)
-            new, advance = tokens.tolist(), tokens.shape[1]
+            cycles, advance = [_CycleOut(tokens.tolist(), [], None, 0)], tokens.shape[1]
             clock.add("verify", t0, clock.mark())
             _count(stats, [], None, 0, 0, passes=tokens.shape[1])
             if auto is not None:
                 auto.plain(tokens.shape[1])
         else:
-            new, rows.x, accepted, proposed, advance = _cycle(dec, rows.x, pos_t, g, upper, enc, cache, cfg,
-                                                              generator, guide, confidence, stats, clock)
-            if auto is not None:
-                auto.observe(accepted, proposed)
-        # commit: each row's new tokens (a plain run, or accepted drafts and the correction/bonus token);
-        # a row ends at EOS or max_length. A step picked from non-finite logits is marked (`finite`).
-        first_marked(rows.index, new, [len(out[i]) for i in rows.index], dec.eos_id, max_length)
-        keep, kept = [], 0  # kept: tokens emitted this cycle, a row's EOS included, nothing after it
-        for r, (i, tokens) in enumerate(zip(rows.index, new)):
-            rows.pos[r] += len(tokens)
-            if dec.eos_id is not None and dec.eos_id in tokens:
-                tokens, ended = tokens[: tokens.index(dec.eos_id)], True
-                kept += 1
-            else:
-                ended = len(out[i]) + len(tokens) >= max_length
-            added = tokens[: max_length - len(out[i])]
-            out[i].extend(added)
-            kept += len(added)
-            if not ended:
-                keep.append(r)
-        if auto is not None:
+            count = _run_length(dec, rows, g, cache, max_length - min(len(out[i]) for i in rows.index))
+            cycles, rows.x, advance = _cycles(dec, rows.x, pos_t, g, upper, enc, cache, cfg, generator, guide,
+                                              confidence, clock, count)
+        # commit, cycle by cycle: each row's new tokens (a plain run, or accepted drafts and the correction or
+        # bonus token); a row ends at EOS or max_length, and what a run computed for it after that is
+        # dropped. A step picked from non-finite logits is marked (`finite`).
+        alive = list(range(len(rows.index)))  # the rows still running, by place in `rows`
+        kept = 0  # tokens emitted by the run, a row's EOS included, nothing after it
+        for c in cycles:
+            if not alive:  # the run's later cycles: computed for rows that had ended
+                _count(stats, [], None, c.drafts, g)
+                continue
+            index = [rows.index[r] for r in alive]
+            new = [c.new[r] for r in alive]
+            first_marked(index, new, [len(out[i]) for i in index], dec.eos_id, max_length)
+            if g:
+                accepted = [c.accepted[r] for r in alive]
+                proposed = None if c.proposed is None else [c.proposed[r] for r in alive]
+                _count(stats, accepted, proposed, c.drafts, g)
+                if auto is not None:
+                    auto.observe(accepted, proposed)
+            still = []
+            for r, i, tokens in zip(alive, index, new):
+                rows.pos[r] += len(tokens)
+                if dec.eos_id is not None and dec.eos_id in tokens:
+                    tokens, ended = tokens[: tokens.index(dec.eos_id)], True
+                    kept += 1
+                else:
+                    ended = len(out[i]) + len(tokens) >= max_length
+                added = tokens[: max_length - len(out[i])]
+                out[i].extend(added)
+                kept += len(added)
+                if not ended:
+                    still.append(r)
+            alive = still
+        if auto is not None:  # the run's time is booked against what all its cycles kept
             auto.kept(kept)
-        # a row that goes on took exactly its `advance` (accepted drafts and the next token; a plain run's
-        # steps): the device's positions stay equal to `rows.pos` (an ended row's are dropped below)
+        keep = alive
+        # a row that goes on took exactly its `advance` (accepted drafts and the next token of every cycle; a
+        # plain run's steps): the device's positions stay equal to `rows.pos` (an ended row's are dropped below)
         rows.pos_t = pos_t + advance
         cache.crop(dec.per_row(rows.pos_t, guide.on))
         if progress is not None:
@@ -179,26 +200,50 @@ def sample_loop(
     return [torch.tensor(o, dtype=torch.long, device=device) for o in out]
 
 
-def _cycle(
+@dataclass
+class _CycleOut:
+    """What one cycle (or a run of plain steps) gave each row, read back on the host."""
+
+    new: list[list[int]]  # each row's new tokens: accepted drafts, then the correction or bonus token
+    accepted: list[int]  # accepted drafts per row (empty for plain steps)
+    proposed: list[int] | None  # drafts each row proposed (None without drafts)
+    drafts: int  # draft steps the cycle made
+
+
+def _run_length(dec: Decoder, rows: _Rows, gamma: int, cache: KVCache, remaining: int) -> int:
+    """Cycles in the next run: 1 unless the backend records cycles; there CYCLES_PER_RUN, 2 or 1, the most
+    whose slots (gamma + 1 a cycle for every row) fit the cache's capacity and that the longest-running row
+    can use (a cycle takes at least one token)."""
+    if not dec.backend.records(rows.x.device):
+        return 1
+    count = CYCLES_PER_RUN
+    while count > 1 and (max(rows.pos) + count * (gamma + 1) + 2 > cache.capacity or count > remaining):
+        count //= 2
+    return count
+
+
+def _cycles(
     dec: Decoder, x0: Tensor, pos_t: Tensor, gamma: int, upper: range, enc, cache, cfg: SamplingConfig,
-    generator: torch.Generator | None, guide: _Guidance, draft_confidence: float | None, stats: DecodeStats,
-    clock: PhaseClock, recorded: bool = True,
-) -> tuple[list[list[int]], Tensor, list[int], list[int] | None, Tensor]:
-    """One draft -> verify -> accept cycle (gamma = 0: one plain step) from each row's pending input x0
-    (rows, 1, dim) at pos_t; returns each sequence's new tokens (accepted drafts, then the correction or
-    bonus token), the next pending input, each sequence's accepted and proposed drafts (None without
-    drafts), and on the device how many tokens each sequence took (accepted + 1).
+    generator: torch.Generator | None, guide: _Guidance, draft_confidence: float | None, clock: PhaseClock,
+    count: int = 1, recorded: bool = True,
+) -> tuple[list[_CycleOut], Tensor, Tensor]:
+    """`count` draft -> verify -> accept cycles, each from the last one's pending input (the first from x0
+    (rows, 1, dim) at pos_t), every row in every cycle; returns what each cycle gave each row, the next pending
+    input and on the device how many tokens each row took in all (accepted + 1 per cycle).
     recorded: let a backend that records cycles run the device part as one graph (`Backend.run_cycle`;
-    the whole cycle then counts as verify time); False: step by step, the draft phase timed on its own."""
+    the whole run then counts as verify time); False: one cycle step by step, the draft phase timed on its
+    own."""
     recorded = recorded and dec.backend.records(x0.device)
+    if count > 1 and not recorded:
+        raise ValueError("runs of several cycles are for a backend that records them")
     t0 = clock.mark()
     marks = [t0]
     # the read-back's layout: verified positions, drafts, a proposed count; a replayed graph runs no
     # Python, and a backend that replays one drafts all gamma with static shapes
     layout = {"n": gamma + 1, "s": gamma, "limit": bool(gamma) and draft_confidence is not None}
 
-    def device_part(x0: Tensor, pos_t: Tensor, enc: Encoded) -> tuple[Tensor, Tensor, Tensor]:
-        """Draft, verify, accept: (the one read-back, the next pending input, each row's advance)."""
+    def one(x0: Tensor, pos_t: Tensor, enc: Encoded) -> tuple[Tensor, Tensor, Tensor]:
+        """Draft, verify, accept: (the cycle's read-back, the next pending input, each row's advance)."""
         start = dec.start_of(pos_t, guide.on)
         # draft: gamma tokens from the exit head, keeping every exit state for the target
         # limit: per-row draft counts, only when rows may stop early
@@ -221,23 +266,37 @@ def _cycle(
         read = torch.cat([t.to(sums.dtype).view(sums.shape[0], -1) for t in parts], dim=1)
         return read, dec.embed(acc.next_token[:, None], guide.on), acc.accepted + 1
 
+    def device_part(x: Tensor, pos_t: Tensor, enc: Encoded) -> tuple[Tensor, Tensor, Tensor]:
+        """`count` cycles on the device, each at the positions the last one reached: (their read-backs
+        (count, rows, ...), the next pending input, each row's advance over the run)."""
+        reads, advance = [], None
+        for _ in range(count):
+            read, x, step = one(x, pos_t if advance is None else pos_t + advance, enc)
+            reads.append(read)
+            advance = step if advance is None else advance + step
+        return torch.stack(reads), x, advance
+
     if recorded:
-        key = ("cycle", gamma, upper.start, upper.stop, cfg, guide.on, guide.scale, guide.draft_scale, draft_confidence)
-        read, x_next, advance = dec.backend.run_cycle(device_part, key, x0, pos_t, enc, cache, generator)
-        end = clock.mark()
-        clock.add("verify", t0, end)
+        key = ("cycle", gamma, count, upper.start, upper.stop, cfg, guide.on, guide.scale, guide.draft_scale,
+               draft_confidence)
+        reads, x_next, advance = dec.backend.run_cycle(device_part, key, x0, pos_t, enc, cache, generator)
+        clock.add("verify", t0, clock.mark())
     else:
-        read, x_next, advance = device_part(x0, pos_t, enc)
+        reads, x_next, advance = device_part(x0, pos_t, enc)
         clock.add("draft", t0, marks[1])
         clock.add("verify", marks[1], clock.mark())
     n, s = layout["n"], layout["s"]
-    read = read.tolist()
+    return [_decode_cycle(read, n, s, layout["limit"], gamma) for read in reads.tolist()], x_next, advance
+
+
+def _decode_cycle(read: list[list[float]], n: int, s: int, limit: bool, gamma: int) -> _CycleOut:
+    """One cycle's read-back (rows: accepted, next token, n verified positions' logit sums, s drafts, the
+    proposed count where rows may stop early) -> each row's new tokens."""
     accepted = [int(r[0]) for r in read]
     drafted = [[int(v) for v in r[2 + n : 2 + n + s]] for r in read]
     proposed = None  # drafts each row proposed this cycle
     if gamma:
-        proposed = [int(r[-1]) for r in read] if layout["limit"] else [s] * len(accepted)
-    _count(stats, accepted, proposed, s, gamma)
+        proposed = [int(r[-1]) for r in read] if limit else [s] * len(accepted)
     new = []
     for r, (d, k, row) in enumerate(zip(drafted, accepted, read)):
         # the row's tokens come from p_0..p_k and q_0..q_k (q_k: the draft it stopped at, if proposed): the
@@ -251,7 +310,7 @@ def _cycle(
                 new.append(d[:j] + [NONFINITE_DRAFT])
                 continue
         new.append(d[:k] + [int(row[1])] if bad is None else d[:bad] + [NONFINITE])
-    return new, x_next, accepted, proposed, advance
+    return _CycleOut(new, accepted, proposed, s)
 
 
 def probe_cycle(dec: Decoder, x: Tensor, pos: Tensor, gamma: int, enc: Encoded, cache: KVCache) -> float:
@@ -259,8 +318,8 @@ def probe_cycle(dec: Decoder, x: Tensor, pos: Tensor, gamma: int, enc: Encoded, 
     slots pos (rows,), committing nothing: the cache keeps its lengths and a second call overwrites the
     same slots. What `measure` times to measure what a cycle costs; returns its draft phase's seconds."""
     stats, clock = DecodeStats(), PhaseClock(x.device)
-    _cycle(dec, x, pos, gamma, range(dec.exit_layer if gamma else 0, dec.depth), enc, cache, SamplingConfig(0.0), None,
-           _Guidance(False, 1.0, 1.0), None, stats, clock, recorded=False)
+    _cycles(dec, x, pos, gamma, range(dec.exit_layer if gamma else 0, dec.depth), enc, cache, SamplingConfig(0.0), None,
+            _Guidance(False, 1.0, 1.0), None, clock, recorded=False)
     clock.into(stats)
     return stats.draft_time
 
