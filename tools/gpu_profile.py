@@ -37,11 +37,11 @@ MODES = {
 
 
 
-def _a_cycle_per_run(mode):
-    """`mode` with one speculative cycle per recorded run (TTS_SPECDEC_RECORD_RUNS=1 runs up to
-    `speculative.CYCLES_PER_RUN`): the read-back per cycle that runs of cycles remove, side by side."""
+def _cycles_per_run(mode, cycles: int):
+    """`mode` with `cycles` speculative cycles per recorded run (TTS_SPECDEC_RECORD_RUNS=1 runs up to
+    `speculative.CYCLES_PER_RUN`): 1 keeps the read-back per cycle that runs of cycles remove."""
     def run(d, g, t):
-        saved, speculative.CYCLES_PER_RUN = speculative.CYCLES_PER_RUN, 1
+        saved, speculative.CYCLES_PER_RUN = speculative.CYCLES_PER_RUN, cycles
         try:
             return mode(d, g, t)
         finally:
@@ -49,7 +49,8 @@ def _a_cycle_per_run(mode):
     return run
 
 
-MODES["spec_sample_1cycle"] = _a_cycle_per_run(MODES["spec_sample"])
+MODES["spec_sample_1cycle"] = _cycles_per_run(MODES["spec_sample"], 1)
+MODES["spec_sample_8cycles"] = _cycles_per_run(MODES["spec_sample"], 8)
 
 
 def tokens_of(out) -> int:

@@ -37,7 +37,7 @@ from .timing import PhaseClock
 PLAIN_STEPS = 32
 # speculative cycles per run where a backend records cycles (`Backend.records`: CUDA graphs): one launch
 # and one read-back per run instead of per cycle. A row's cycles after its end are computed and dropped, as
-# a plain run's steps are; runs of 1, 2 or 4 cycles (each length is a recorded graph), as many as fit the
+# a plain run's steps are; runs of 4, 2 or 1 cycles (each length is a recorded graph), as many as fit the
 # cache's capacity without growing it (a new capacity compiles new graphs)
 CYCLES_PER_RUN = 4
 
@@ -211,9 +211,9 @@ class _CycleOut:
 
 
 def _run_length(dec: Decoder, rows: _Rows, gamma: int, cache: KVCache, remaining: int) -> int:
-    """Cycles in the next run: 1 unless the backend records cycles; there CYCLES_PER_RUN, 2 or 1, the most
-    whose slots (gamma + 1 a cycle for every row) fit the cache's capacity and that the longest-running row
-    can use (a cycle takes at least one token)."""
+    """Cycles in the next run: 1 unless the backend records cycles; there CYCLES_PER_RUN, halved until the
+    run's slots (gamma + 1 a cycle for every row) fit the cache's capacity and the row with the most tokens
+    left can use every cycle (a cycle takes at least one token), at least 1."""
     if not dec.backend.records(rows.x.device):
         return 1
     count = CYCLES_PER_RUN
