@@ -37,8 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import make_model, make_source  # noqa: E402
+from conftest import make_model, make_source, uncompiled_graph  # noqa: E402
 from tts_specdec import SpeculativeDecoder  # noqa: E402
+from tts_specdec.backends import StaticCompiled  # noqa: E402
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -112,16 +113,11 @@ def main() -> int:
     args = p.parse_args()
     if args.compile and args.dtype != "float32":
         p.error("--dtype: the compiled path is checked in float64 against the default path")
+    if args.record_runs and not args.compile:
+        p.error("--record-runs: only with --compile")
     if args.record_runs:
-        if not args.compile:
-            p.error("--record-runs: only with --compile")
-        from tts_specdec.backends import StaticCompiled
-
         StaticCompiled.records = lambda self, device: True
     if args.compile == "none":  # the static path's step functions as plain Python: many more cases a minute
-        from conftest import uncompiled_graph
-        from tts_specdec.backends import StaticCompiled
-
         StaticCompiled._graph = uncompiled_graph
     torch.set_num_threads(1)
     rng = random.Random(args.seed)

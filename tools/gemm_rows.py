@@ -82,11 +82,12 @@ def _in_cache_gflops(store: str, reps: int) -> dict[int, float]:
     each row count's product repeated, so its weights never come from memory. The best of them is the
     rate the tiles' arithmetic reaches on this machine and thread count (few rows are bound by reading
     the cache instead)."""
-    mat = Packed(torch.randn(512, 1536), store=getattr(torch, store))
+    inp, out = 512, 1536
+    mat = Packed(torch.randn(inp, out), store=getattr(torch, store))
     calls = 40
     rate: dict[int, float] = {}
     for rows in ROWS:
-        x = torch.randn(rows, 512)
+        x = torch.randn(rows, inp)
         mat(x)
         runs = []
         for _ in range(max(3, reps)):
@@ -94,7 +95,7 @@ def _in_cache_gflops(store: str, reps: int) -> dict[int, float]:
             for _ in range(calls):
                 mat(x)
             runs.append(time.perf_counter() - start)
-        rate[rows] = 2 * rows * 512 * 1536 * calls / statistics.median(runs) / 1e9
+        rate[rows] = 2 * rows * inp * out * calls / statistics.median(runs) / 1e9
     return rate
 
 

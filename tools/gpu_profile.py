@@ -36,7 +36,6 @@ MODES = {
 }
 
 
-
 def _cycles_per_run(mode, cycles: int):
     """`mode` with `cycles` speculative cycles per recorded run (TTS_SPECDEC_RECORD_RUNS=1 runs up to
     `speculative.CYCLES_PER_RUN`): 1 keeps the read-back per cycle that runs of cycles remove."""

@@ -181,19 +181,18 @@ def sample_loop(
             alive = still
         if auto is not None:  # the run's time is booked against what all its cycles kept
             auto.kept(kept)
-        keep = alive
         # a row that goes on took exactly its `advance` (accepted drafts and the next token of every cycle; a
         # plain run's steps): the device's positions stay equal to `rows.pos` (an ended row's are dropped below)
         rows.pos_t = pos_t + advance
         cache.crop(dec.per_row(rows.pos_t, guide.on))
         if progress is not None:
             progress(max(len(o) for o in out))
-        if len(keep) < len(rows.index):
-            keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+        if len(alive) < len(rows.index):
+            keep_t = torch.tensor(alive, dtype=torch.long, device=device)
             cache_rows = dec.rows(keep_t, guide.on)
             cache.reorder(cache_rows)
             enc = enc.select(cache_rows)
-            rows = _Rows([rows.index[r] for r in keep], [rows.pos[r] for r in keep], rows.x[cache_rows],
+            rows = _Rows([rows.index[r] for r in alive], [rows.pos[r] for r in alive], rows.x[cache_rows],
                          rows.pos_t[keep_t])
     clock.into(stats)
     stats.generated_tokens += sum(len(o) for o in out)
