@@ -38,7 +38,7 @@ MODES = {
 
 def _cycles_per_run(mode, cycles: int):
     """`mode` with `cycles` speculative cycles per recorded run (TTS_SPECDEC_RECORD_RUNS=1 runs up to
-    `speculative.CYCLES_PER_RUN`): 1 keeps the read-back per cycle that runs of cycles remove."""
+    `speculative.CYCLES_PER_RUN`, 1 by default): 1 keeps the read-back per cycle that runs of cycles remove."""
     def run(d, g, t):
         saved, speculative.CYCLES_PER_RUN = speculative.CYCLES_PER_RUN, cycles
         try:
@@ -49,6 +49,7 @@ def _cycles_per_run(mode, cycles: int):
 
 
 MODES["spec_sample_1cycle"] = _cycles_per_run(MODES["spec_sample"], 1)
+MODES["spec_sample_4cycles"] = _cycles_per_run(MODES["spec_sample"], 4)
 MODES["spec_sample_8cycles"] = _cycles_per_run(MODES["spec_sample"], 8)
 
 

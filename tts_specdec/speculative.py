@@ -35,11 +35,13 @@ from .timing import PhaseClock
 # plain sampling steps per kernel call: the call's fixed cost spread over them; a run ends early
 # at EOS, so longer runs waste nothing
 PLAIN_STEPS = 32
-# speculative cycles per run where a backend records cycles (`Backend.records`: CUDA graphs): one launch
-# and one read-back per run instead of per cycle. A row's cycles after its end are computed and dropped, as
-# a plain run's steps are; runs of 4, 2 or 1 cycles (each length is a recorded graph), as many as fit the
-# cache's capacity without growing it (a new capacity compiles new graphs)
-CYCLES_PER_RUN = 4
+# speculative cycles per run where a backend records cycles (`Backend.records`: CUDA graphs). Several
+# cycles a run give one launch and one read-back per run (a row's cycles after its end are computed and
+# dropped, as a plain run's steps are; runs of n, n/2, .. 1 cycles, each length a recorded graph, as many as
+# fit the cache's capacity). On an H100 4 cycles a run ran 0.54x and 8 cycles 0.34x of one cycle a run, but
+# that measurement also recorded every graph again on every decode (fixed since: `_Run` kept the cache
+# alive); one cycle a run, the faster one measured, until a GPU compares them again (docs/gpu.md).
+CYCLES_PER_RUN = 1
 
 
 class Policy(Protocol):

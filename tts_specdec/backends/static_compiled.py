@@ -418,7 +418,7 @@ class StaticCompiled(TorchEager):
         key = (*key, *(_layout(t, False) for t in copied), *(_layout(t, True) for t in fixed))
         rec = self._runs.get(key)
         if rec is None:
-            rec = _Run(run, tuple(None if t is None else t.clone() for t in copied), self.dec)
+            rec = _Run(tuple(None if t is None else t.clone() for t in copied), self.dec)
             self._runs[key] = rec
             while len(self._runs) > RECORDED:
                 self._runs.popitem(last=False)
@@ -429,7 +429,7 @@ class StaticCompiled(TorchEager):
                     mine.copy_(t)
         self._draws = rec.draws
         try:
-            return rec(device.type == "cuda", generator)
+            return rec(run, device.type == "cuda", generator)
         except Exception:
             self._runs.pop(key, None)  # half-made: never replayed
             raise
@@ -511,27 +511,29 @@ class _Run:
     """A run of compiled steps on its own input buffers (`inputs`) and random numbers (`draws`), recorded
     as one CUDA graph on its first call and replayed after (off CUDA: run again each call, on the same
     buffers). The body advances the decoder's layer counters (`layer_evals`): a replay adds what its first
-    run added."""
+    run added. The body comes with each call and is not kept: it closes over the decode's cache, and a
+    cache kept alive never hands its storage back to the pool, so the next decode's cache would get new
+    addresses and every decode would record its graph again."""
 
-    def __init__(self, run: Callable[..., Any], inputs: tuple, dec: Decoder) -> None:
-        self.run, self.inputs, self.dec = run, inputs, dec
+    def __init__(self, inputs: tuple, dec: Decoder) -> None:
+        self.inputs, self.dec = inputs, dec
         self.draws = _Logged()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Any = None
         self.added: list[int] | None = None
 
-    def _body(self) -> Any:
+    def _body(self, run: Callable[..., Any]) -> Any:
         self.draws.next = 0
-        return self.run(*self.inputs)
+        return run(*self.inputs)
 
-    def __call__(self, record: bool, generator: torch.Generator | None) -> Any:
+    def __call__(self, run: Callable[..., Any], record: bool, generator: torch.Generator | None) -> Any:
         if self.draws.logged:
             self.draws.refill(generator)
         else:
             self.draws.generator = generator
         if self.added is None:  # the first call: its body draws and counts
             before = list(self.dec.layer_evals)
-            out = self._body()
+            out = self._body(run)
             self.draws.logged, self.draws.generator = True, None
             self.added = [a - b for a, b in zip(self.dec.layer_evals, before)]
             if not record:
@@ -542,7 +544,7 @@ class _Run:
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph):
-                    self.out = self._body()
+                    self.out = self._body(run)
             except Exception as e:  # noqa: BLE001 -- a failed capture leaves the stream and allocator unusable
                 raise RuntimeError(f"recording a run as one CUDA graph failed ({e}); TTS_SPECDEC_RECORD_RUNS=0 "
                                    "replays a graph per step instead") from e
@@ -550,7 +552,7 @@ class _Run:
             self.dec.layer_evals[:] = [b + a for b, a in zip(before, self.added)]
         else:
             if not record:
-                return self._body()  # counts as it runs
+                return self._body(run)  # counts as it runs
             self.dec.layer_evals[:] = [e + a for e, a in zip(self.dec.layer_evals, self.added)]
         self.graph.replay()
         # the outputs live in the graph's memory and the next replay overwrites them
