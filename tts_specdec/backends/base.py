@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import Tensor
 
-from ..cache import KVCache
+from ..cache import BufferPool, KVCache
 from ..sampling import Draws
 
 if TYPE_CHECKING:
@@ -37,6 +37,8 @@ class Backend:
 
     def __init__(self, dec: Decoder) -> None:
         self.dec = dec
+        # storage of finished caches for the next ones (on the CPU: fresh pages cost their faults)
+        self._storage = BufferPool(2, fit=True)
 
     def run_layers(
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
@@ -49,7 +51,7 @@ class Backend:
         """An empty cache for the decoder's layers (`capacity` already rounded by `capacity`)."""
         dec = self.dec
         return KVCache(dec.depth, rows, dec.kv_heads, dec.dim_head, capacity, dtype=dec.dtype, device=dec.device,
-                       by_reference=by_reference)
+                       by_reference=by_reference, pool=self._storage if dec.device.type == "cpu" else None)
 
     @staticmethod
     def capacity(n: int) -> int:
