@@ -20,7 +20,7 @@ from tts_specdec.sampling import SamplingConfig
 from tts_specdec.auto import (
     DRAFT_CONFIDENCE, EXPLORE_CALLS, EXPLORE_CYCLES, FIXED, HALF_LIFE, MARGIN, MAX_GAMMA, PLAIN, REVISIT,
     SHORT, SPECULATIVE, STOPS, THIRD, Arms, BeamCosts, BeamPolicy, CostModel, SamplingPolicy, beam_speedups, choose_gamma,
-    expected_tokens, row_class, stops_pay,
+    BEAM_PRIOR_STEPS, BEAM_PRIOR_WEIGHT, beam_steps_per_cycle, expected_tokens, row_class, stops_pay,
 )
 
 from conftest import SEMANTIC_VOCAB, make_model, make_source
@@ -950,3 +950,20 @@ def test_auto_books_the_tokens_rows_kept_not_those_past_their_end():
     assert ended_on_eos > 0 and len({len(o) for o in out}) > 1  # rows end at different lengths
     assert sum(policy.kept_tokens) == sum(len(o) for o in out) + ended_on_eos
     assert len(policy.kept_tokens) == policy.calls
+
+
+def test_beam_steps_per_cycle_carry_the_observed_head_to_gammas_not_run():
+    """Before any cycle: the prior. A gamma that ran moves toward what it committed; one that never ran gets
+    the prior scaled by how the head did against it where it ran (capped at gamma + 1), so an observed gamma
+    does not lock out a better one kept at the prior, which is set low on purpose."""
+    prior = list(BEAM_PRIOR_STEPS)
+    assert beam_steps_per_cycle({}, (1, 2)) == pytest.approx(prior)
+    # gamma 2 ran 100 cycles at 1.93 steps: the head beats the prior by 1.93 / 1.6
+    steps = beam_steps_per_cycle({2: (193.0, 100.0)}, (1, 2))
+    scale = 1.93 / prior[1]
+    w = BEAM_PRIOR_WEIGHT
+    assert steps[1] == pytest.approx((193.0 + w * prior[1] * scale) / (100.0 + w))
+    assert steps[0] == pytest.approx(prior[0] * scale) and steps[0] > prior[0]
+    # a weaker head than the prior lowers the unobserved gamma too; the cap holds for a perfect one
+    assert beam_steps_per_cycle({1: (120.0, 100.0)}, (1, 2))[1] == pytest.approx(prior[1] * 1.2 / prior[0])
+    assert beam_steps_per_cycle({2: (300.0, 100.0)}, (1, 2))[0] == pytest.approx(2.0)  # 1.4 * 3 / 1.6, capped

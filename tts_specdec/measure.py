@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .auto import (
-    BEAM_PRIOR_STEPS, BEAM_PRIOR_WEIGHT, EXPLORE_CALLS, MAX_GAMMA, PLAIN, SPECULATIVE, Arms, BeamCosts, BeamPolicy,
+    EXPLORE_CALLS, MAX_GAMMA, PLAIN, SPECULATIVE, Arms, BeamCosts, BeamPolicy, beam_steps_per_cycle,
     CostModel, row_class,
 )
 from .beam import beam_search_loop, encode_beams
@@ -73,11 +73,7 @@ class Costs:
         rows = row_class(batch)
         table = tables.setdefault(rows, Arms(EXPLORE_CALLS))
         timed = [c for c, t in tables.items() if c < rows and {PLAIN, SPECULATIVE} <= set(t.sums)]
-        steps = []
-        for gamma in BEAM_GAMMAS:
-            committed, cycles = self._beam_steps.get(gamma, (0.0, 0.0))
-            prior = BEAM_PRIOR_STEPS[min(gamma, len(BEAM_PRIOR_STEPS)) - 1]
-            steps.append((committed + BEAM_PRIOR_WEIGHT * prior) / (cycles + BEAM_PRIOR_WEIGHT))
+        steps = beam_steps_per_cycle(self._beam_steps, BEAM_GAMMAS)
         return BeamPolicy(self.beam(dec, beam_size, draft_width), table, steps,
                           explore_all=not dec.backend.static_shapes, fewer_rows=tables[max(timed)] if timed else None)
 
