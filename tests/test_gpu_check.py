@@ -110,3 +110,26 @@ def test_benchmark_compile_flag_reaches_the_decoder(monkeypatch):
         with pytest.raises(SystemExit):
             benchmark.main(["--distill-steps", "0", "--families", "greedy", "--skip-upstream", *argv])
         assert seen[-1] == expected
+
+
+def test_gpu_profile_sorts_kernels_into_classes_per_token():
+    """tools/gpu_profile.py's kernel classes from a profile's key averages (names as an H100 profile gave
+    them): launches and device microseconds per token; a compiled graph's own event and host-only events
+    are left out."""
+    from types import SimpleNamespace as Event
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "tools" / "gpu_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    events = [Event(key="sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize32x32x8", count=20, self_device_time_total=160.0),
+              Event(key="void gemvNSP_kernel<float, float, float, float, 1, 32>", count=10, self_device_time_total=20.0),
+              Event(key="void cublasLt::splitKreduce_kernel<32, 16, int, float>", count=30, self_device_time_total=45.0),
+              Event(key="triton_per_fused__softmax_add_arange_0", count=8, self_device_time_total=12.0),
+              Event(key="Memcpy DtoD (Device -> Device)", count=4, self_device_time_total=4.0),
+              Event(key="void at::native::vectorized_elementwise_kernel<4>", count=2, self_device_time_total=2.0),
+              Event(key="## Call CompiledFxGraph fabc", count=1, self_device_time_total=0.0),
+              Event(key="cudaGraphLaunch", count=5, self_device_time_total=0.0)]
+    out = module.kernel_classes(events, tokens=2)
+    assert out == {"gemm": {"launches": 15.0, "device_us": 90.0}, "split-K reduce": {"launches": 15.0, "device_us": 22.5},
+                   "fused (triton)": {"launches": 4.0, "device_us": 6.0}, "copy/set": {"launches": 2.0, "device_us": 2.0},
+                   "other": {"launches": 1.0, "device_us": 1.0}}

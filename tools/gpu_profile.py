@@ -4,8 +4,9 @@ For each mode (plain sampling, speculative sampling, beam search, speculative be
 shipped model unless --widen), on `SpeculativeDecoder(model, compile=True)`: compile and warm up, time
 --reps decodes of one sentence, then profile one more. Prints per mode the tokens/s, the wall time and the
 GPU's busy time per generated token (busy << wall: the host or a read-back is the bound; busy ~ wall: the
-device is), and the ops that take the most device and host time. With --out DIR the profiler tables and a
-JSON of the figures are written there.
+device is), the kernels launched per token by class (GEMMs, split-K reductions, fused Triton kernels, copies:
+where a speculative cycle's device time goes against a plain step's), and the ops that take the most device
+and host time. With --out DIR the profiler tables and a JSON of the figures are written there.
 
     python tools/gpu_profile.py --modes sample spec_sample beam spec_beam --profile --out /tmp/prof
 """
@@ -64,6 +65,27 @@ def texts_for(sentences: int) -> list[str]:
     from tts_specdec.speech.references import heldout_sentences
 
     return list(heldout_sentences(sentences))
+
+
+# a kernel's class by its name: what a mode's device time is made of, comparable between modes per token
+KERNEL_CLASSES = (("split-K reduce", ("splitkreduce", "reduce_kernel")), ("gemm", ("gemm", "gemv", "xmma", "cutlass")),
+                  ("fused (triton)", ("triton_",)), ("copy/set", ("memcpy", "memset")))
+
+
+def kernel_classes(events, tokens: int) -> dict[str, dict[str, float]]:
+    """Per generated token, by class (`KERNEL_CLASSES`, else "other"): kernel launches and device
+    microseconds, from a profile's key averages (events with device time of their own; a compiled graph's
+    own event, which spans its kernels, is left out)."""
+    out: dict[str, dict[str, float]] = {}
+    for e in events:
+        if e.key.startswith("## Call") or e.self_device_time_total <= 0:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, marks in KERNEL_CLASSES if any(m in name for m in marks)), "other")
+        entry = out.setdefault(kind, {"launches": 0.0, "device_us": 0.0})
+        entry["launches"] += e.count / tokens
+        entry["device_us"] += e.self_device_time_total / tokens
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         # kernels and copies only (a compiled graph's own event spans its kernels: not counted twice)
         busy_us = sum(e.self_device_time_total for e in events if not e.key.startswith("## Call"))
         fig.update(profiled_tokens=n, profiled_wall_ms_per_token=1e3 * wall / n,
-                   device_ms_per_token=busy_us / 1e3 / n)
+                   device_ms_per_token=busy_us / 1e3 / n, kernels_per_token=kernel_classes(events, n))
         print(f"profiled (the profiler slows the host): wall {fig['profiled_wall_ms_per_token']:.3f} ms/token, "
               f"kernels {fig['device_ms_per_token']:.3f} ms/token", flush=True)
+        print("kernels per token by class (launches, device us): " + ", ".join(
+            f"{k} {v['launches']:.1f} / {v['device_us']:.1f}" for k, v in fig["kernels_per_token"].items()), flush=True)
         by_dev = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=args.rows)
         by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows)
         print(by_dev, flush=True)
