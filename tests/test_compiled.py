@@ -5,6 +5,9 @@ and graph capture as inductor, without generating code: seconds instead of minut
 test runs inductor itself. The decoders are shared by the module's tests: each graph is compiled once. GPU-only tests carry the `cuda` marker and skip without CUDA.
 """
 
+import copy
+import functools
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -518,3 +521,24 @@ class _no_sync:
 
     def __exit__(self, *exc):
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["graph-per-step", "recorded-run"])
+def test_autotune_switch_compiles_with_max_autotune_on_cuda_only(models, monkeypatch, recorded):
+    """TTS_SPECDEC_AUTOTUNE=1: on CUDA with inductor a step compiles with max-autotune (CUDA graphs of its
+    own where it would have them, replayed as such; none inside a recorded run); anywhere else the mode is
+    unchanged. torch.compile is replaced by a recorder: nothing compiles."""
+    modes = []
+    monkeypatch.setattr(static_compiled, "AUTOTUNE", True)
+    monkeypatch.setattr(static_compiled.torch, "compile", lambda fn, **kw: modes.append(kw["mode"]) or fn)
+    model = copy.deepcopy(models["cfg"])  # its tensors are marked static for CUDA: not the module's model
+    backend = StaticCompiled(SpeculativeDecoder(model).decoder, "inductor")
+    backend.record_runs = recorded
+    step = backend._graph(static_compiled._plain_step, torch.device("cuda"), heads=2)
+    assert modes == ["max-autotune-no-cudagraphs" if recorded else "max-autotune"]
+    assert isinstance(step, functools.partial) != recorded  # graphs of its own are replayed (outputs cloned)
+    backend._graph(static_compiled._plain_step, torch.device("cpu"), heads=2)
+    assert modes[-1] is None
+    StaticCompiled(SpeculativeDecoder(model).decoder, "aot_eager")._graph(
+        static_compiled._plain_step, torch.device("cuda"), heads=2)
+    assert modes[-1] is None

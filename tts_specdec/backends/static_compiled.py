@@ -53,6 +53,13 @@ POOLED_SHAPES = 8
 # (docs/gpu.md): plain sampling 1.20x the per-step graphs in tools/gpu_profile.py, but slower in the
 # benchmark's interleaved runs and in speculative sampling, for reasons not established on a GPU yet.
 RECORD_RUNS = os.environ.get("TTS_SPECDEC_RECORD_RUNS", "0") == "1"
+# TTS_SPECDEC_AUTOTUNE=1 (off by default, CUDA and inductor only): the steps compiled with inductor's
+# max-autotune, which times Triton templates against cuBLAS for each product. On an H100 a speculative cycle
+# took ~3.2 plain steps of device time for ~1.6 plain steps of ops; its most expensive kernels were cuBLAS
+# tiled float32 GEMMs of ~8.7 us each, about 49 a cycle (likely the verify pass's 5-row products; one-row
+# products ran as ~2-4 us GEMV kernels) (docs/gpu.md). Not measured with autotuning yet; each graph then
+# compiles for longer.
+AUTOTUNE = os.environ.get("TTS_SPECDEC_AUTOTUNE", "0") == "1"
 RECORDED = 16  # recorded runs kept (each holds its graph and its memory), the most recently used
 
 
@@ -269,6 +276,8 @@ class StaticCompiled(TorchEager):
         mode = "reduce-overhead" if device.type == "cuda" and self.compile_backend == "inductor" else None
         if (fn in _IN_RUNS or self._draws is not None) and self.records(device):
             mode = None  # a recorded run's graph holds this function's kernels
+        if AUTOTUNE and device.type == "cuda" and self.compile_backend == "inductor":
+            mode = "max-autotune" if mode else "max-autotune-no-cudagraphs"
         key = (fn.__name__, device.type, mode, tuple(sorted(static.items())))
         graph = self._graphs.get(key)
         if graph is None:
@@ -277,7 +286,7 @@ class StaticCompiled(TorchEager):
             own = type(fn)(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
             own.__kwdefaults__ = dict(static)
             compiled = torch.compile(own, fullgraph=True, backend=self.compile_backend, mode=mode)
-            graph = compiled if mode is None else partial(_replay, compiled)
+            graph = compiled if mode in (None, "max-autotune-no-cudagraphs") else partial(_replay, compiled)
             self._graphs[key] = graph
             if device.type == "cuda":  # weights at fixed addresses: the captured graph reads them in place
                 for t in _tensors(self.w):
