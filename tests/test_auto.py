@@ -10,6 +10,7 @@ checked.
 import ast
 import math
 import random
+import types
 from pathlib import Path
 
 import pytest
@@ -954,16 +955,38 @@ def test_auto_books_the_tokens_rows_kept_not_those_past_their_end():
 
 def test_beam_steps_per_cycle_carry_the_observed_head_to_gammas_not_run():
     """Before any cycle: the prior. A gamma that ran moves toward what it committed; one that never ran gets
-    the prior scaled by how the head did against it where it ran (capped at gamma + 1), so an observed gamma
-    does not lock out a better one kept at the prior, which is set low on purpose."""
-    prior = list(BEAM_PRIOR_STEPS)
+    the prior scaled by how the head did against it where it ran (shrunk toward 1 by BEAM_PRIOR_WEIGHT cycles
+    at the prior, and within 1 .. gamma + 1 steps), so an observed gamma does not lock out a better one kept
+    at the prior, which is set low on purpose, and a lucky cycle or two moves little."""
+    prior, w = list(BEAM_PRIOR_STEPS), BEAM_PRIOR_WEIGHT
     assert beam_steps_per_cycle({}, (1, 2)) == pytest.approx(prior)
-    # gamma 2 ran 100 cycles at 1.93 steps: the head beats the prior by 1.93 / 1.6
+    # gamma 2 ran 100 cycles at 1.93 steps: the head beats the prior by about 1.93 / 1.6
     steps = beam_steps_per_cycle({2: (193.0, 100.0)}, (1, 2))
-    scale = 1.93 / prior[1]
-    w = BEAM_PRIOR_WEIGHT
+    scale = (193.0 + w * prior[1]) / (100.0 * prior[1] + w * prior[1])
+    assert steps[0] == pytest.approx(prior[0] * scale) and steps[0] > prior[0] * 1.15
     assert steps[1] == pytest.approx((193.0 + w * prior[1] * scale) / (100.0 + w))
-    assert steps[0] == pytest.approx(prior[0] * scale) and steps[0] > prior[0]
-    # a weaker head than the prior lowers the unobserved gamma too; the cap holds for a perfect one
-    assert beam_steps_per_cycle({1: (120.0, 100.0)}, (1, 2))[1] == pytest.approx(prior[1] * 1.2 / prior[0])
-    assert beam_steps_per_cycle({2: (300.0, 100.0)}, (1, 2))[0] == pytest.approx(2.0)  # 1.4 * 3 / 1.6, capped
+    # a weaker head than the prior lowers the gamma not run
+    assert beam_steps_per_cycle({1: (120.0, 100.0)}, (1, 2))[1] < prior[1]
+    # one lucky cycle moves little; the bounds hold whatever was seen
+    lucky = beam_steps_per_cycle({2: (3.0, 1.0)}, (1, 2))[0]  # a fifth of the way to 3 / 1.6 of the prior
+    assert lucky == pytest.approx(prior[0] * (3.0 + w * prior[1]) / (prior[1] + w * prior[1])) and lucky < 2.0
+    assert beam_steps_per_cycle({2: (3000.0, 1000.0)}, (1, 2))[0] == pytest.approx(2.0)  # capped at gamma + 1
+    assert beam_steps_per_cycle({1: (0.0, 1000.0)}, (1, 2)) == [1.0, 1.0]  # a cycle commits at least a step
+
+
+def test_auto_beam_policy_takes_its_steps_per_cycle_from_the_calibrated_prior(monkeypatch):
+    """measure.Costs builds each call's BeamPolicy from `beam_steps_per_cycle` over what auto calls
+    committed (`observe_beam`): after gamma 2 committed 1.93 steps a cycle, gamma 1 is credited above its
+    prior."""
+    from tts_specdec import measure
+
+    seen = []
+    monkeypatch.setattr(measure, "BeamPolicy", lambda costs, table, steps, **kw: seen.append(list(steps)))
+    costs = measure.Costs()
+    monkeypatch.setattr(costs, "beam", lambda *a: BeamCosts(1.0, (1.4, 1.9)))
+    monkeypatch.setattr(costs, "key", lambda dec: "model")
+    dec = types.SimpleNamespace(backend=types.SimpleNamespace(static_shapes=False))
+    costs.observe_beam(2, [0, 20, 30, 50])  # 100 cycles, 230 steps
+    costs.beam_policy(dec, 1, 4, 5, False)
+    assert seen == [pytest.approx(beam_steps_per_cycle({2: (230.0, 100.0)}, (1, 2)))]
+    assert seen[0][0] > BEAM_PRIOR_STEPS[0]

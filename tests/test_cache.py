@@ -171,24 +171,27 @@ def test_by_reference_reorder_moves_table_entries_not_values():
 
 def test_fitted_pool_hands_on_storage_of_finished_caches_only():
     """A pool with fit=True (the CPU backends') gives a new cache the front of a finished cache's storage,
-    zeroed, for any shape that fits; never storage a live cache still uses; a cache from it that drops rows
-    stays contiguous (the kernels need it)."""
-    pool = BufferPool(2, fit=True)
+    zeroed, for any shape that fits; never storage a live cache still uses, also as a packed view after it
+    dropped rows; the storage a cache grew out of is handed on; a cache from it that drops rows stays
+    contiguous (the kernels need it)."""
+    pool = BufferPool(3, fit=True)
 
     def new(rows, capacity):
         return KVCache(2, rows, 1, 4, capacity, dtype=torch.float32, device=torch.device("cpu"), pool=pool)
 
     first = new(3, 16)
-    first.write(0, torch.ones(3, 1, 1, 4), torch.ones(3, 1, 1, 4), 0)
-    live = new(3, 16)  # the first is alive: fresh storage
-    assert live.k.data_ptr() != first.k.data_ptr()
+    first.write(0, torch.ones(3, 1, 1, 4), 2 * torch.ones(3, 1, 1, 4), 0)
     address = first.k.data_ptr()
+    first.reorder(torch.tensor([2]))  # one row left, packed into the front of the same storage
+    assert first.k.data_ptr() == address and first.k.is_contiguous() and first.v[0, 0, 0, 0].eq(2).all()
+    live = new(1, 16)  # the first is alive (as its packed view): fresh storage though its buffer is free of size
+    assert live.k.data_ptr() != address
     del first
     smaller = new(2, 10)  # a smaller shape fits in the finished cache's storage, zeroed
     assert smaller.k.data_ptr() == address and smaller.k.is_contiguous()
     assert smaller.k.shape == (2, 2, 1, 10, 4) and not smaller.k.any() and not smaller.v.any()
-    bigger = new(4, 64)  # no free buffer holds it
-    assert bigger.k.data_ptr() not in (address, live.k.data_ptr())
-    smaller.write(0, torch.ones(2, 1, 1, 4), 2 * torch.ones(2, 1, 1, 4), 0)
-    smaller.reorder(torch.tensor([1]))
-    assert smaller.k.is_contiguous() and smaller.rows == 1 and smaller.v[0, 0, 0, 0].eq(2).all()
+    grown_from = live.k.data_ptr()
+    live.grow(40)  # new storage; the old one is free again
+    assert live.k.data_ptr() not in (grown_from, address)
+    again = new(1, 16)
+    assert again.k.data_ptr() == grown_from

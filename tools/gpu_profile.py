@@ -68,7 +68,9 @@ def texts_for(sentences: int) -> list[str]:
 
 
 # a kernel's class by its name: what a mode's device time is made of, comparable between modes per token
-KERNEL_CLASSES = (("split-K reduce", ("splitkreduce", "reduce_kernel")), ("gemm", ("gemm", "gemv", "xmma", "cutlass")),
+# (first match wins: cuBLAS's split-K reductions, then GEMMs, inductor's Triton GEMM templates `triton_tem_`
+# among them, then its other Triton kernels)
+KERNEL_CLASSES = (("split-K reduce", ("splitkreduce",)), ("gemm", ("gemm", "gemv", "xmma", "cutlass", "triton_tem_")),
                   ("fused (triton)", ("triton_",)), ("copy/set", ("memcpy", "memset")))
 
 

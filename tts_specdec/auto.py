@@ -148,13 +148,18 @@ def beam_steps_per_cycle(observed: dict[int, tuple[float, float]], gammas: Seque
         return BEAM_PRIOR_STEPS[min(gamma, len(BEAM_PRIOR_STEPS)) - 1]
 
     ran = {g: o for g, o in observed.items() if o[1] > 0}
-    expected = sum(prior(g) * cycles for g, (_, cycles) in ran.items())
-    scale = sum(committed for committed, _ in ran.values()) / expected if ran else 1.0
+    scale = 1.0
+    if ran:  # committed / expected, with BEAM_PRIOR_WEIGHT cycles at the prior: a few cycles move it little
+        typical = sum(prior(g) for g in ran) / len(ran)
+        expected = sum(prior(g) * cycles for g, (_, cycles) in ran.items())
+        scale = (sum(committed for committed, _ in ran.values()) + BEAM_PRIOR_WEIGHT * typical) / (
+            expected + BEAM_PRIOR_WEIGHT * typical)
     out = []
     for gamma in gammas:
         committed, cycles = observed.get(gamma, (0.0, 0.0))
-        guess = min(prior(gamma) * scale, gamma + 1.0)  # a cycle commits at most gamma + 1 steps
-        out.append((committed + BEAM_PRIOR_WEIGHT * guess) / (cycles + BEAM_PRIOR_WEIGHT))
+        guess = min(max(prior(gamma) * scale, 1.0), gamma + 1.0)  # a cycle commits 1 to gamma + 1 steps
+        steps = (committed + BEAM_PRIOR_WEIGHT * guess) / (cycles + BEAM_PRIOR_WEIGHT)
+        out.append(min(max(steps, 1.0), gamma + 1.0))
     return out
 
 

@@ -220,7 +220,8 @@ class BufferPool:
     address, and fresh storage for every decode would make each graph record again.
     fit=True: a request gets the smallest free buffer with room for it, as a contiguous view of its front.
     On the CPU fresh storage costs its page faults: zeroing a new 16 MB cache took 4-14 ms (1-4 GB/s),
-    zeroing the same bytes again about 1 ms; at width 512 that was 3-5% of a speculative beam search call."""
+    zeroing the same bytes again about 1 ms; at width 512 that was 3-5% of a speculative beam search call.
+    One decode at a time per pool, as per decoder (its counters and auto's tables are not shared safely either)."""
 
     def __init__(self, shapes: int = 8, fit: bool = False) -> None:
         self.shapes, self.fit = shapes, fit

@@ -262,7 +262,10 @@ def _cycles(
         # +-inf exactly where a logit is; the counts and tokens are exact too), the drafts and each row's
         # proposed count
         sums = target_logits.sum(dim=-1, dtype=torch.float64)
-        layout.update(n=sums.shape[1], s=0 if drafts is None else drafts.shape[1], limit=limit is not None)
+        got = {"n": sums.shape[1], "s": 0 if drafts is None else drafts.shape[1], "limit": limit is not None}
+        if recorded and got != layout:  # a replay runs no Python: the layout must be known before the run
+            raise RuntimeError(f"a recorded cycle's read-back is laid out as {got}, not {layout}")
+        layout.update(got)
         parts = [acc.accepted[:, None], acc.next_token[:, None], sums] + [t for t in (drafts, limit) if t is not None]
         read = torch.cat([t.to(sums.dtype).view(sums.shape[0], -1) for t in parts], dim=1)
         return read, dec.embed(acc.next_token[:, None], guide.on), acc.accepted + 1
