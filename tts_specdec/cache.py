@@ -247,9 +247,7 @@ class BufferPool:
             k, v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         else:
             k, v = held[0].zero_(), held[1].zero_()  # stale K/V are masked, but NaN * a zero weight is NaN
-        self._held[key] = (k, v, weakref.ref(owner))
-        while len(self._held) > self.shapes:
-            del self._held[next(iter(self._held))]  # the least recently taken shape
+        self._hold(key, k, v, owner)
         return k, v
 
     def _fitted(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, owner: KVCache
@@ -263,7 +261,11 @@ class BufferPool:
         else:
             key = (object(), dtype, device)  # a buffer of its own (flat: any shape views its front)
             k_flat, v_flat = (torch.empty(need, dtype=dtype, device=device) for _ in range(2))
-        self._held[key] = (k_flat, v_flat, weakref.ref(owner))
-        while len(self._held) > self.shapes:
-            del self._held[next(iter(self._held))]  # the least recently taken buffer
+        self._hold(key, k_flat, v_flat, owner)
         return k_flat[:need].view(shape).zero_(), v_flat[:need].view(shape).zero_()
+
+    def _hold(self, key: tuple, k: Tensor, v: Tensor, owner: KVCache) -> None:
+        """Keep k, v as the most recently taken, `owner`'s while it uses them; the least recently taken go."""
+        self._held[key] = (k, v, weakref.ref(owner))
+        while len(self._held) > self.shapes:
+            del self._held[next(iter(self._held))]

@@ -273,10 +273,11 @@ class StaticCompiled(TorchEager):
 
     def _graph(self, fn: Callable, device: torch.device, **static) -> Callable:
         """`fn` with its keyword-only arguments bound to `static`, compiled once per (fn, arguments)."""
-        mode = "reduce-overhead" if device.type == "cuda" and self.compile_backend == "inductor" else None
+        cuda_graphs = device.type == "cuda" and self.compile_backend == "inductor"
+        mode = "reduce-overhead" if cuda_graphs else None
         if (fn in _IN_RUNS or self._draws is not None) and self.records(device):
             mode = None  # a recorded run's graph holds this function's kernels
-        if AUTOTUNE and device.type == "cuda" and self.compile_backend == "inductor":
+        if AUTOTUNE and cuda_graphs:
             mode = "max-autotune" if mode else "max-autotune-no-cudagraphs"
         key = (fn.__name__, device.type, mode, tuple(sorted(static.items())))
         graph = self._graphs.get(key)
