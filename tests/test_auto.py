@@ -42,6 +42,8 @@ CHEAP = costs_of(0.05, lambda n: 1.0, "cuda")
 STEEP = costs_of(0.1, lambda n: 1.0 + 0.4 * (n - 1))
 # every token costs a full step's compute wherever it runs: speculation never pays
 COMPUTE_BOUND = costs_of(0.3, lambda n: 0.3 + 0.7 * n)
+# the shipped model's cost model at batch 1 on a CPU (measured): 0.91x at the prior alpha, 1.15x at 0.9
+SHIPPED = costs_of(0.18, lambda n: (1.71, 2.28, 2.44, 2.68, 2.91, 3.17)[n - 1] if n <= 6 else 3.17 + 0.25 * (n - 6))
 
 
 @pytest.fixture
@@ -199,6 +201,36 @@ def test_policy_decodes_plainly_where_speculation_cannot_pay():
     assert not policy.pays and policy.next(1) == (0, None)
     policy.observe([5], [5])  # even a perfect draft changes nothing
     assert policy.next(1) == (0, None)
+
+
+def test_policy_times_draft_stops_where_no_gamma_pays_at_the_prior():
+    """A head better than the prior shows it only by drafting: where the cost model gives no gamma at the
+    prior, draft stops (which take no gamma from it) are timed against plain steps, unless the drafts
+    judged so far put the acceptance below the prior."""
+    assert choose_gamma(SHIPPED.c, SHIPPED.v, auto.PRIOR_ALPHA, MAX_GAMMA) == 0
+    policy = SamplingPolicy(SHIPPED, {}, clock=still)
+    sure = (policy.sure_gamma, DRAFT_CONFIDENCE)
+    assert policy.next(1) == sure  # exploring
+    assert SamplingPolicy(SHIPPED, favouring(PLAIN), clock=still).next(1) == (0, None)  # plain steps were faster
+    assert SamplingPolicy(SHIPPED, favouring(STOPS), clock=still).next(1) == sure
+    gpu = costs_of(SHIPPED.c, lambda n: SHIPPED.v[n - 1], "cuda")  # no stops arm: the cost model alone
+    assert SamplingPolicy(gpu, {}, clock=still).next(1) == (0, None)
+    low = SamplingPolicy(SHIPPED, favouring(STOPS), clock=still)
+    low.observe([1], [4])  # below the prior: the cost model's plain steps, whatever the timings
+    assert low.alpha < auto.PRIOR_ALPHA and low.next(1) == (0, None)
+    high = SamplingPolicy(SHIPPED, favouring(FIXED), clock=still)
+    for _ in range(5):  # 9 drafts in 10 accepted: the cost model's gamma is an arm again
+        high.observe([9], [10])
+    gamma = choose_gamma(SHIPPED.c, SHIPPED.v, high.alpha, MAX_GAMMA)
+    assert gamma > 0 and high.next(1) == (gamma, None)
+
+
+def test_auto_greedy_times_draft_stops_where_no_gamma_pays_at_the_prior(sources, costs):
+    costs(sampling=SHIPPED)
+    dec = SpeculativeDecoder(make_model(5))
+    out = greedy(dec, sources[4])
+    assert tokens(out) == tokens(greedy(dec, sources[4], gamma=0))
+    assert sum(out.stats.gamma_hist[1:]) > 0 and out.stats.draft_confidence == DRAFT_CONFIDENCE
 
 
 def test_policy_follows_acceptance_and_tries_again_after_plain_runs():
