@@ -10,8 +10,9 @@ STAMP := $(VENV)/.installed
 demo: $(STAMP)
 	$(PY) recipes/synthesize.py
 
+# two processes: most tests run one thread's work (tiny models), and the suite takes half the time
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 bench: $(STAMP)
 	$(PY) recipes/benchmark.py

@@ -218,6 +218,8 @@ def test_policy_times_draft_stops_where_no_gamma_pays_at_the_prior():
     low = SamplingPolicy(SHIPPED, favouring(STOPS), clock=still)
     low.observe([1], [4])  # below the prior: the cost model's plain steps, whatever the timings
     assert low.alpha < auto.PRIOR_ALPHA and low.next(1) == (0, None)
+    low.plain(2 * int(HALF_LIFE))  # until those drafts' weight has faded
+    assert low.alpha < auto.PRIOR_ALPHA and low.next(1) == sure
     high = SamplingPolicy(SHIPPED, favouring(FIXED), clock=still)
     for _ in range(5):  # 9 drafts in 10 accepted: the cost model's gamma is an arm again
         high.observe([9], [10])

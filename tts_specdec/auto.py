@@ -326,11 +326,11 @@ class SamplingPolicy:
         gamma = self._choose(self.alpha) if self.pays else 0
         if gamma:
             arms = self.arms_at(rows, gamma)
-        elif self.pays and self.stops and self.alpha >= PRIOR_ALPHA:
-            # no gamma pays at this acceptance, but nothing judged says the head is worse than the prior:
-            # draft stops need no gamma from it, so the timings decide (the shipped model's cost model
-            # predicts 0.91x at the prior and 1.15x at alpha 0.9; its head accepts 0.88-0.91, and with
-            # stops speculation ran 1.08-1.19x of plain decoding at batch 1)
+        elif self.pays and self.stops and (self.alpha >= PRIOR_ALPHA or self._judged < 1.0):
+            # no gamma pays at this acceptance, but no draft judged lately (its weight fades with
+            # HALF_LIFE) says the head is worse than the prior: draft stops take no gamma from it, so the
+            # timings decide (the shipped model's cost model predicts 0.91x at the prior and 1.15x at
+            # alpha 0.9; its head accepts 0.88-0.91, and with stops it ran 1.08-1.19x of plain at batch 1)
             arms = (STOPS, PLAIN)
         else:
             arms = (PLAIN,)
