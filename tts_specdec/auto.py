@@ -326,7 +326,7 @@ class SamplingPolicy:
         gamma = self._choose(self.alpha) if self.pays else 0
         if gamma:
             arms = self.arms_at(rows, gamma)
-        elif self.pays and self.stops and (self.alpha >= PRIOR_ALPHA or self._judged < 1.0):
+        elif self.pays and self.stops is not None and (self.alpha >= PRIOR_ALPHA or self._judged < 1.0):
             # no gamma pays at this acceptance, but no draft judged lately (its weight fades with
             # HALF_LIFE) says the head is worse than the prior: draft stops take no gamma from it, so the
             # timings decide (the shipped model's cost model predicts 0.91x at the prior and 1.15x at
