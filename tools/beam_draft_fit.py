@@ -27,8 +27,8 @@ import time
 import torch
 from torch import Tensor
 
-from tts_specdec import SpeculativeDecoder
-from tts_specdec.beam import BeamState, beam_step, cache_positions, encode_beams, item_rows, step_logprobs
+from tts_specdec import SpeculativeDecoder, beam
+from tts_specdec.beam import BeamState
 from tts_specdec.decoder import Decoder
 from tts_specdec.distill import _record
 from tts_specdec.results import DecodeStats
@@ -42,33 +42,37 @@ Steps = tuple[Tensor, Tensor, Tensor, Tensor]  # per item-step: exit states (K, 
 
 @torch.no_grad()
 def record(dec: Decoder, source: Tensor, k: int, max_length: int) -> Steps:
-    """Plain beam search ("standard" semantics, length penalty 1) split at the exit layer."""
-    enc = encode_beams(dec, source, k, False)
-    cache = dec.new_cache(enc.rows, cache_positions(max_length))
-    state = BeamState.initial(source.shape[0], k, 1.0, dec.eos_id, source.device)
-    x = dec.start(enc.rows)
-    out_h, out_s, out_lp, out_pick = [], [], [], []
-    for t in range(max_length):
-        cache.grow(t + 1)
-        h = dec.run(x, t, range(dec.exit_layer), enc, cache)
-        logits = dec.target_logits(dec.run(h, t, range(dec.exit_layer, dec.depth), enc, cache))[:, -1]
-        lp = step_logprobs(logits, 1.0)
+    """Plain beam search (`beam.beam_search_loop`, "standard" semantics, length penalty 1), watched: its
+    target pass runs split at the exit layer (the same layers) to keep the exit states, and each
+    `beam_step` is seen with the live beams' scores before it and the beams it picked."""
+    exit_states, out_s, out_lp, out_pick = [], [], [], []
+    all_layers = range(dec.depth)
+
+    def verify(x: Tensor, start: int, layers: range, enc, cache) -> Tensor:
+        assert layers == all_layers
+        h = dec.run(x, start, range(dec.exit_layer), enc, cache)
+        exit_states.append(h[:, -1])
+        return dec.target_logits(dec.run(h, start, range(dec.exit_layer, dec.depth), enc, cache))
+
+    def step(state: BeamState, lp: Tensor, last: bool = False):
         a, scores = state.active, state.scores.clone()
-        out = beam_step(state, lp, last=t + 1 == max_length)
+        out = plain_step(state, lp, last)
         picked = torch.zeros(a * k, lp.shape[1], dtype=torch.bool)
         picked[out.parents, out.tokens] = True  # the items still active: their new live beams
-        out_h.append(h[:, -1].view(a, k, -1)[out.kept])
         out_s.append(scores[out.kept])
         out_lp.append(lp.view(a, k, -1)[out.kept])
         out_pick.append(picked.view(a, k, -1)[out.kept])
-        if state.active == 0:
-            break
-        rows = dec.rows(out.parents, False)
-        cache.reorder(rows)
-        if rows.numel() != enc.rows:
-            enc = enc.select(dec.rows(item_rows(out.kept, k), False))
-        x = dec.embed(out.tokens[:, None], False)
-    return torch.cat(out_h), torch.cat(out_s), torch.cat(out_lp), torch.cat(out_pick)
+        exit_states[-1] = exit_states[-1].view(a, k, -1)[out.kept]
+        return out
+
+    plain_step = beam.beam_step
+    dec.backend.verify, beam.beam_step = verify, step
+    try:
+        beam.beam_search_loop(dec, source, beam_size=k, length_penalty=1.0, max_length=max_length, cond_scale=1.0)
+    finally:
+        del dec.backend.verify  # the backend's own method again
+        beam.beam_step = plain_step
+    return torch.cat(exit_states), torch.cat(out_s), torch.cat(out_lp), torch.cat(out_pick)
 
 
 def candidate_scores(head: torch.nn.Module, h: Tensor, scores: Tensor, eos: int | None) -> Tensor:
