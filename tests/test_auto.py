@@ -40,6 +40,8 @@ def costs_of(c: float, v, device: str = "cpu") -> CostModel:
 CHEAP = costs_of(0.05, lambda n: 1.0, "cuda")
 # each token verified costs 0.4 of a step (a CPU): pays above alpha ~0.6, and draft stops pay
 STEEP = costs_of(0.1, lambda n: 1.0 + 0.4 * (n - 1))
+# verifying is cheap at one row (memory-bound passes, a CPU): a long gamma, five arms with several rows
+FLAT = costs_of(0.05, lambda n: 1.0 + 0.05 * (n - 1))
 # every token costs a full step's compute wherever it runs: speculation never pays
 COMPUTE_BOUND = costs_of(0.3, lambda n: 0.3 + 0.7 * n)
 # the shipped model's cost model at batch 1 on a CPU (measured): 0.91x at the prior alpha, 1.15x at 0.9
@@ -438,21 +440,73 @@ def test_policy_with_several_rows_times_a_third_of_a_long_gamma(fastest):
     """Where the model's gamma is long (cheap verify passes at one row), several rows also time a third of
     it, which runs gamma // 3 drafts; the fastest of the five arms decodes almost all the time. A third
     that is no shorter than the half is no arm of its own."""
-    flat = costs_of(0.05, lambda n: 1.0 + 0.05 * (n - 1))
-    policy = SamplingPolicy(flat, {}, clock=still)
-    gamma = choose_gamma(flat.c, flat.v, auto.PRIOR_ALPHA, MAX_GAMMA)
+    policy = SamplingPolicy(FLAT, {}, clock=still)
+    gamma = choose_gamma(FLAT.c, FLAT.v, auto.PRIOR_ALPHA, MAX_GAMMA)
     assert gamma >= 6 and policy.arms_at(8, gamma) == (STOPS, FIXED, SHORT, THIRD, PLAIN)
     assert policy.arms_at(8, 3) == (STOPS, FIXED, SHORT, PLAIN)  # a third of 3 drafts is half of it
     assert policy.arms_at(8, 4) == (STOPS, FIXED, SHORT, THIRD, PLAIN)
     script = Script({arm: 1.0 if arm == fastest else 1.5 for arm in (PLAIN, FIXED, SHORT, THIRD, STOPS)})
     drafts: list[int] = []
-    policy = SamplingPolicy(flat, {}, clock=script.clock)
+    policy = SamplingPolicy(FLAT, {}, clock=script.clock)
     asked = policy.next
     policy.next = lambda rows: (lambda out: drafts.append(out[0]) or out)(asked(rows))
     ran = script.run(policy, [8] * 1000)
     assert {a for a, _ in ran[:5 * EXPLORE_CYCLES]} == {STOPS, FIXED, SHORT, THIRD, PLAIN}
     assert gamma // 3 in drafts and gamma // 2 in drafts
     assert share(ran[5 * EXPLORE_CYCLES:], fastest) >= 1 - 4 * 1.5 / REVISIT
+
+
+class PerRows(Script):
+    """Seconds per token by row count: `by_rows[rows][arm]`."""
+
+    def __init__(self, by_rows: dict[int, dict[str, float]]) -> None:
+        super().__init__({})
+        self.by_rows = by_rows
+
+    def cost(self, arm, rows):
+        return self.by_rows[rows][arm]
+
+
+def test_more_rows_explore_no_arm_that_drafts_longer_than_the_fastest_with_fewer():
+    """Half the model's gamma fastest with two rows: with four rows the arms that draft more (the model's
+    gamma, stops) are not explored or drawn, only revisited, while the shorter ones and plain steps are
+    explored as usual; the fastest with four rows (a third of the gamma) decodes almost all the time."""
+    two = {PLAIN: 2.0, FIXED: 1.5, SHORT: 1.0, THIRD: 1.2, STOPS: 1.5}
+    four = {PLAIN: 1.5, FIXED: 2.5, SHORT: 1.2, THIRD: 1.0, STOPS: 2.5}
+    script, tables = PerRows({2: two, 4: four}), {}
+    policy = SamplingPolicy(FLAT, tables, clock=script.clock)
+    assert choose_gamma(FLAT.c, FLAT.v, auto.PRIOR_ALPHA, MAX_GAMMA) >= 6  # five arms with several rows
+    ran = script.run(policy, [2] * 600 + [4] * 1500)
+    assert tables[2].best(list(tables[2].sums)) == SHORT
+    first = [a for a, _ in ran[600:600 + 3 * EXPLORE_CYCLES]]
+    assert sorted(first) == sorted([SHORT, THIRD, PLAIN] * EXPLORE_CYCLES)
+    later = ran[600 + 3 * EXPLORE_CYCLES:]
+    assert tables[4].runs.get(FIXED, 0) <= 3 and tables[4].runs.get(STOPS, 0) <= 3  # revisits only
+    assert share(later, THIRD) >= 1 - 2.5 * 1.5 / REVISIT
+
+
+def test_plain_steps_fastest_with_fewer_rows_rule_out_no_drafting_arm_with_more():
+    """Plain steps fastest with two rows say nothing of four (a verify pass of many rows may use the
+    products better than a plain step of a few: on the shipped model at 2 threads gamma 4 ran 0.85-0.90x
+    of plain decoding at batch 4 and 1.07-1.10x at batch 8): with four rows the drafting arms no longer
+    than the fastest drafting arm with two are explored, and the fastest of them decodes."""
+    two = {PLAIN: 1.0, FIXED: 1.5, SHORT: 1.3, THIRD: 1.4, STOPS: 1.6}
+    four = {PLAIN: 1.5, FIXED: 2.0, SHORT: 1.0, THIRD: 1.2, STOPS: 2.2}
+    script, tables = PerRows({2: two, 4: four}), {}
+    ran = script.run(SamplingPolicy(FLAT, tables, clock=script.clock), [2] * 600 + [4] * 1500)
+    assert sorted(a for a, _ in ran[600:600 + 3 * EXPLORE_CYCLES]) == sorted([SHORT, THIRD, PLAIN] * EXPLORE_CYCLES)
+    assert share(ran[600 + 3 * EXPLORE_CYCLES:], SHORT) >= 1 - 2.5 * 1.5 / REVISIT
+
+
+def test_an_arm_only_revisited_takes_over_where_it_is_the_fastest():
+    """The rule above is a guess: where the model's gamma is the fastest with four rows after all (half of
+    it was with two), its first revisit shows it and it decodes most of the time from then on."""
+    two = {PLAIN: 2.0, FIXED: 1.5, SHORT: 1.0, THIRD: 1.2, STOPS: 1.5}
+    four = {PLAIN: 2.0, FIXED: 0.8, SHORT: 1.2, THIRD: 1.3, STOPS: 1.6}
+    script, tables = PerRows({2: two, 4: four}), {}
+    ran = script.run(SamplingPolicy(FLAT, tables, clock=script.clock), [2] * 600 + [4] * 3000)
+    assert share(ran[600:600 + 3 * EXPLORE_CYCLES], FIXED) == 0
+    assert share(ran[-1500:], FIXED) >= 0.9
 
 
 def plain_caps(costs: CostModel, fastest: str, cycles: int = 400) -> list[int | None]:

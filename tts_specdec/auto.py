@@ -87,6 +87,9 @@ BEAM_PRIOR_STEPS = (1.4, 1.6)
 BEAM_PRIOR_WEIGHT = 4.0  # the prior counts as this many cycles
 
 PLAIN, FIXED, SHORT, THIRD, STOPS, SPECULATIVE = "plain", "fixed", "short", "third", "stops", "speculative"  # the arms
+# sampling's arms by the drafts a cycle makes, most first (stops draft up to the gamma a draft that is
+# always right would pay for, no fewer than the model's gamma)
+LONGEST_FIRST = (STOPS, FIXED, SHORT, THIRD, PLAIN)
 
 
 @dataclass(frozen=True)
@@ -217,8 +220,10 @@ class Arms:
         """The arm to run next among `arms`: while an arm of `explore` (default: all of `arms`) ran fewer
         than `self.explore` times, the one that ran least (in turn: load elsewhere hits each alike); else
         the first arm due for a revisit (`_due`); else, where plain decoding (or plain beam search) is the
-        fastest, that; else the lowest draw among the speculative arms."""
-        least = min(arms if explore is None else explore, key=lambda arm: self.runs.get(arm, 0))
+        fastest, that; else the lowest draw among the speculative arms of `explore` (an arm outside it runs
+        where its estimate is the lowest, or when due)."""
+        explore = arms if explore is None else explore
+        least = min(explore, key=lambda arm: self.runs.get(arm, 0))
         if self.runs.get(least, 0) < self.explore:
             return least
         ran = [arm for arm in arms if arm in self.sums]
@@ -233,7 +238,7 @@ class Arms:
             # often at batch 2-4 on the shipped model (a fifth of the time at 0.75-0.85x of plain: five
             # arms' noisy estimates each drew below plain's now and then), only revisits check it
             return best
-        ran = [arm for arm in ran if arm != PLAIN]
+        ran = [arm for arm in ran if arm != PLAIN and (arm in explore or arm == best)]
         draws = {}
         for arm in ran:
             rate, var = self.rate(arm)
@@ -291,7 +296,9 @@ class SamplingPolicy:
     gamma a draft that is always right would pay for, and with several rows a half and a third of the
     model's gamma (`arms_at`). Where it is not, at an acceptance no lower than the prior, draft stops
     (which take no gamma from the acceptance) are timed against plain steps: a head better than the
-    prior shows it only by drafting. The caller's `confidence` replaces the drafting arms.
+    prior shows it only by drafting. The caller's `confidence` replaces the drafting arms. With more rows
+    than a class already timed, arms that draft more than the fastest drafting arm there are only
+    revisited (`_worth_exploring`).
     Stops read only the draft's own distribution, so no arm changes what is sampled; but the arm a cycle
     takes follows the clock, so seeded sampling under auto is not reproduced token for token."""
 
@@ -334,7 +341,7 @@ class SamplingPolicy:
             arms = (STOPS, PLAIN)
         else:
             arms = (PLAIN,)
-        arm = table.pick(arms) if len(arms) > 1 else PLAIN
+        arm = table.pick(arms, self._worth_exploring(row_class(rows), arms)) if len(arms) > 1 else PLAIN
         self._run = _Run(table, arm, now)
         self.plain_steps = None
         if arm == PLAIN:
@@ -361,6 +368,24 @@ class SamplingPolicy:
             shorter = (THIRD,) if 0 < gamma // 3 < gamma // 2 else ()
             return self.arms[:2] + (SHORT,) + shorter + self.arms[2:]
         return self.arms
+
+    def _worth_exploring(self, rows: int, arms: tuple[str, ...]) -> tuple[str, ...]:
+        """The arms explored and drawn at row class `rows`: where a smaller class (the nearest whose arms
+        were all explored) has timed plain steps and drafting arms, none that drafts more per cycle than
+        the fastest drafting arm there; the others are only revisited. A verify pass carries rows x
+        (gamma + 1) tokens, so more rows never made longer drafts pay better: at width 512, 2 threads, the
+        model's gamma (7-10) and stops ran 1.2-1.6x the seconds per token of gamma 3-5 with 4 and 8 rows,
+        and took a tenth of auto's cycles there while explored and drawn. Plain steps are always explored:
+        that they were the fastest with fewer rows says nothing of more (the shipped model, 2 threads:
+        gamma 4 ran 0.85-0.90x of plain decoding at batch 4, 0.97-1.15x at batch 8)."""
+        for fewer in (self.tables[c] for c in sorted(self.tables, reverse=True) if c < rows):
+            shared = [arm for arm in arms if arm in fewer.sums]  # (one row has no half gamma)
+            if PLAIN in shared and len(shared) > 1 and all(fewer.runs[arm] >= fewer.explore for arm in shared):
+                break
+        else:
+            return arms
+        best = fewer.best([arm for arm in shared if arm != PLAIN])
+        return tuple(arm for arm in arms if LONGEST_FIRST.index(arm) >= LONGEST_FIRST.index(best))
 
     def observe(self, accepted: list[int], proposed: list[int]) -> None:
         """A cycle's accepted drafts and proposed drafts per row. A row judges its drafts up to its first
