@@ -485,17 +485,19 @@ def test_more_rows_explore_no_arm_that_drafts_longer_than_the_fastest_with_fewer
     assert share(later, THIRD) >= 1 - 2.5 * 1.5 / REVISIT
 
 
-def test_plain_steps_fastest_with_fewer_rows_rule_out_no_drafting_arm_with_more():
-    """Plain steps fastest with two rows say nothing of four (a verify pass of many rows may use the
-    products better than a plain step of a few: on the shipped model at 2 threads gamma 4 ran 0.85-0.90x
-    of plain decoding at batch 4 and 1.07-1.10x at batch 8): with four rows the drafting arms no longer
-    than the fastest drafting arm with two are explored, and the fastest of them decodes."""
+def test_plain_steps_fastest_with_fewer_rows_rule_out_no_arm_with_more():
+    """Plain steps fastest with two rows say nothing of four (the drafting arms' ranking among losers is
+    noise, and a verify pass of many rows may use the products better than a plain step of a few: on the
+    shipped model at 2 threads gamma 4 ran 0.82-0.90x of plain decoding at batch 4 and 1.00-1.15x at
+    batch 8): with four rows every arm is explored, and the fastest there decodes, even one that drafts
+    more than the least slow drafting arm with two."""
     two = {PLAIN: 1.0, FIXED: 1.5, SHORT: 1.3, THIRD: 1.4, STOPS: 1.6}
-    four = {PLAIN: 1.5, FIXED: 2.0, SHORT: 1.0, THIRD: 1.2, STOPS: 2.2}
+    four = {PLAIN: 1.5, FIXED: 1.0, SHORT: 1.2, THIRD: 1.3, STOPS: 2.2}
     script, tables = PerRows({2: two, 4: four}), {}
     ran = script.run(SamplingPolicy(FLAT, tables, clock=script.clock), [2] * 600 + [4] * 1500)
-    assert sorted(a for a, _ in ran[600:600 + 3 * EXPLORE_CYCLES]) == sorted([SHORT, THIRD, PLAIN] * EXPLORE_CYCLES)
-    assert share(ran[600 + 3 * EXPLORE_CYCLES:], SHORT) >= 1 - 2.5 * 1.5 / REVISIT
+    assert tables[2].best(list(tables[2].sums)) == PLAIN
+    assert {a for a, _ in ran[600:600 + 5 * EXPLORE_CYCLES]} == {STOPS, FIXED, SHORT, THIRD, PLAIN}
+    assert share(ran[600 + 5 * EXPLORE_CYCLES:], FIXED) >= 1 - 4 * 1.5 / REVISIT
 
 
 def test_an_arm_only_revisited_takes_over_where_it_is_the_fastest():

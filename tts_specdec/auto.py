@@ -370,21 +370,24 @@ class SamplingPolicy:
         return self.arms
 
     def _worth_exploring(self, rows: int, arms: tuple[str, ...]) -> tuple[str, ...]:
-        """The arms explored and drawn at row class `rows`: where a smaller class (the nearest whose arms
-        were all explored) has timed plain steps and drafting arms, none that drafts more per cycle than
-        the fastest drafting arm there; the others are only revisited. A verify pass carries rows x
+        """The arms explored and drawn at row class `rows`: where a drafting arm was the fastest at a
+        smaller class (the nearest whose arms were all explored), none that drafts more per cycle than it
+        (plain steps are always kept); the others are only revisited. A verify pass carries rows x
         (gamma + 1) tokens, so more rows never made longer drafts pay better: at width 512, 2 threads, the
         model's gamma (7-10) and stops ran 1.2-1.6x the seconds per token of gamma 3-5 with 4 and 8 rows,
-        and took a tenth of auto's cycles there while explored and drawn. Plain steps are always explored:
-        that they were the fastest with fewer rows says nothing of more (the shipped model, 2 threads:
-        gamma 4 ran 0.85-0.90x of plain decoding at batch 4, 0.97-1.15x at batch 8)."""
+        and took a tenth of auto's cycles there while explored and drawn. Where plain steps were the
+        fastest with fewer rows, every arm is explored: the ranking of arms that all lost says little, and
+        a verify pass of many rows can use the products better than a plain step of a few (the shipped
+        model, 2 threads: gamma 4 ran 0.82-0.90x of plain decoding at batch 4, 1.00-1.15x at batch 8)."""
         for fewer in (self.tables[c] for c in sorted(self.tables, reverse=True) if c < rows):
             shared = [arm for arm in arms if arm in fewer.sums]  # (one row has no half gamma)
             if PLAIN in shared and len(shared) > 1 and all(fewer.runs[arm] >= fewer.explore for arm in shared):
                 break
         else:
             return arms
-        best = fewer.best([arm for arm in shared if arm != PLAIN])
+        best = fewer.best(shared)
+        if best == PLAIN:
+            return arms
         return tuple(arm for arm in arms if LONGEST_FIRST.index(arm) >= LONGEST_FIRST.index(best))
 
     def observe(self, accepted: list[int], proposed: list[int]) -> None:
