@@ -309,6 +309,17 @@ class Script:
         return ran
 
 
+class PerRows(Script):
+    """Seconds per token by row count: `by_rows[rows][arm]`."""
+
+    def __init__(self, by_rows: dict[int, dict[str, float]]) -> None:
+        super().__init__({})
+        self.by_rows = by_rows
+
+    def cost(self, arm, rows):
+        return self.by_rows[rows][arm]
+
+
 def share(ran: list[tuple[str, float]], arm: str) -> float:
     """The fraction of the time `arm` ran."""
     return sum(s for a, s in ran if a == arm) / sum(s for _, s in ran)
@@ -369,11 +380,9 @@ def test_policy_decodes_plainly_where_plain_steps_win_at_that_row_count():
     carry twice the tokens), speculation 1.5x faster with one: a call whose rows drop from 2 to 1 decodes
     each part with its own fastest arm, timed in its own table. With two rows on the CPU half the model's
     gamma is one more arm (`arms_at`)."""
-    class ByRows(Script):
-        def cost(self, arm, rows):
-            return (1.0 if arm == PLAIN else 1.3) if rows == 2 else (1.5 if arm == PLAIN else 1.0)
-
-    script, tables = ByRows({}), {}
+    drafting = (FIXED, SHORT, THIRD, STOPS)
+    script, tables = PerRows({2: {PLAIN: 1.0, **dict.fromkeys(drafting, 1.3)},
+                              1: {PLAIN: 1.5, **dict.fromkeys(drafting, 1.0)}}), {}
     ran = script.run(SamplingPolicy(STEEP, tables, clock=script.clock), [2] * 600 + [1] * 600)
     two, one = ran[4 * EXPLORE_CYCLES:600], ran[600 + 3 * EXPLORE_CYCLES:]
     assert share(two, PLAIN) >= 1 - 2 * 1.5 / REVISIT
@@ -454,17 +463,6 @@ def test_policy_with_several_rows_times_a_third_of_a_long_gamma(fastest):
     assert {a for a, _ in ran[:5 * EXPLORE_CYCLES]} == {STOPS, FIXED, SHORT, THIRD, PLAIN}
     assert gamma // 3 in drafts and gamma // 2 in drafts
     assert share(ran[5 * EXPLORE_CYCLES:], fastest) >= 1 - 4 * 1.5 / REVISIT
-
-
-class PerRows(Script):
-    """Seconds per token by row count: `by_rows[rows][arm]`."""
-
-    def __init__(self, by_rows: dict[int, dict[str, float]]) -> None:
-        super().__init__({})
-        self.by_rows = by_rows
-
-    def cost(self, arm, rows):
-        return self.by_rows[rows][arm]
 
 
 def test_more_rows_explore_no_arm_that_drafts_longer_than_the_fastest_with_fewer():
