@@ -509,6 +509,21 @@ def test_an_arm_only_revisited_takes_over_where_it_is_the_fastest():
     assert share(ran[-1500:], FIXED) >= 0.9
 
 
+def test_the_nearest_class_with_fewer_rows_decides_though_it_revisited_arms_it_did_not_explore():
+    """With four rows, stops and the model's gamma were only revisited (half the gamma was fastest with
+    two), so they ran fewer than EXPLORE_CYCLES times there: four rows are still the reference for eight,
+    where a third of the gamma (the fastest with four) and plain steps are all that is explored."""
+    two = {PLAIN: 2.0, FIXED: 1.5, SHORT: 1.0, THIRD: 1.2, STOPS: 1.5}
+    four = {PLAIN: 1.5, FIXED: 2.5, SHORT: 1.2, THIRD: 1.0, STOPS: 2.5}
+    eight = {PLAIN: 1.5, FIXED: 2.5, SHORT: 1.3, THIRD: 1.0, STOPS: 2.5}
+    script, tables = PerRows({2: two, 4: four, 8: eight}), {}
+    ran = script.run(SamplingPolicy(FLAT, tables, clock=script.clock), [2] * 600 + [4] * 3000 + [8] * 100)
+    revisited = [arm for arm in (FIXED, STOPS) if 0 < tables[4].runs.get(arm, 0) < EXPLORE_CYCLES]
+    assert revisited and tables[4].explored == {SHORT, THIRD, PLAIN}
+    first = [a for a, _ in ran[3600:3600 + 2 * EXPLORE_CYCLES]]
+    assert sorted(first) == sorted([THIRD, PLAIN] * EXPLORE_CYCLES)
+
+
 def plain_caps(costs: CostModel, fastest: str, cycles: int = 400) -> list[int | None]:
     """`plain_steps` of every run of plain steps a policy on `costs` takes, on a scripted clock where
     `fastest` costs 1 s per token and the other arms 1.5 s."""

@@ -195,6 +195,7 @@ class Arms:
         self.explore = explore
         self.sums: dict[str, list[float]] = {}  # arm -> n, s, t, s*s, t*t, s*t
         self.runs: dict[str, int] = {}
+        self.explored: set[str] = set()  # the arms `pick` was asked to explore (others only revisited)
         self.seconds = 0.0  # booked under every arm
         self._last: dict[str, float] = {}  # arm -> `seconds` when it last ran
         # its own generator: the draws move neither torch's nor the caller's random state
@@ -223,6 +224,7 @@ class Arms:
         fastest, that; else the lowest draw among the speculative arms of `explore` (an arm outside it runs
         where its estimate is the lowest, or when due)."""
         explore = arms if explore is None else explore
+        self.explored.update(explore)
         least = min(explore, key=lambda arm: self.runs.get(arm, 0))
         if self.runs.get(least, 0) < self.explore:
             return least
@@ -381,7 +383,9 @@ class SamplingPolicy:
         model, 2 threads: gamma 4 ran 0.82-0.90x of plain decoding at batch 4, 1.00-1.15x at batch 8)."""
         for fewer in (self.tables[c] for c in sorted(self.tables, reverse=True) if c < rows):
             shared = [arm for arm in arms if arm in fewer.sums]  # (one row has no half gamma)
-            if PLAIN in shared and len(shared) > 1 and all(fewer.runs[arm] >= fewer.explore for arm in shared):
+            # arms only revisited there (pruned by this rule) need not have run `explore` times
+            if PLAIN in shared and len(shared) > 1 and all(
+                    fewer.runs[arm] >= fewer.explore for arm in shared if arm in fewer.explored):
                 break
         else:
             return arms
