@@ -64,9 +64,10 @@ def measured(monkeypatch):
         counts["sampling"] += 1
         return sampling(dec)
 
-    def count_beam(dec, beam_size, draft_width):
+    def count_beam(dec, beam_size, draft_width, batch=1):
         counts["beam"] += 1
-        return beam(dec, beam_size, draft_width)
+        counts.setdefault("batches", []).append(batch)
+        return beam(dec, beam_size, draft_width, batch)
 
     monkeypatch.setattr(measure, "measure_sampling", count_sampling)
     monkeypatch.setattr(measure, "measure_beam", count_beam)
@@ -82,7 +83,7 @@ def costs(monkeypatch):
             raise AssertionError("measured although synthetic costs were installed")
 
         monkeypatch.setattr(measure, "measure_sampling", (lambda dec: sampling) if sampling else no_measuring)
-        monkeypatch.setattr(measure, "measure_beam", (lambda dec, k, w: beam) if beam else no_measuring)
+        monkeypatch.setattr(measure, "measure_beam", (lambda dec, k, w, batch=1: beam) if beam else no_measuring)
         if arms is not None:
             monkeypatch.setattr(measure.Costs, "arms", lambda self, dec, sampling, guided: arms)
     return install
@@ -637,7 +638,8 @@ def test_cost_models_stay_valid_on_a_jittery_clock(monkeypatch, sources, seed):
     SamplingPolicy(costs, {}).next(1)  # decides without raising
     out = dec.beam_search(sources[1], beam_size=2, max_length=MAX_LEN)  # auto: measures beam costs
     assert tokens(out) == tokens(dec.beam_search(sources[1], beam_size=2, max_length=MAX_LEN, gamma=0))
-    (beam,) = dec.costs._beam.values()
+    (measured,) = dec.costs._beam.values()
+    (beam,) = measured.values()
     assert beam.step > 0 and min(beam.cycles) > 0
 
 
@@ -649,6 +651,9 @@ def test_measuring_changes_no_counter_and_no_output(sources, costs):
     with torch.inference_mode():
         measure.measure_sampling(dec.decoder)
         measure.measure_beam(dec.decoder, 2, 4)
+        assert measure.measure_beam(dec.decoder, 2, 4, batch=3).step > 0
+        with pytest.raises(ValueError, match="batch"):
+            measure.measure_beam(dec.decoder, 2, 4, batch=0)
     assert dec.decoder.layer_evals == [7] * dec.decoder.depth
     costs(sampling=COMPUTE_BOUND)  # auto decodes plainly: the same counters as plain decoding
     plain, chosen = greedy(dec, sources[5], gamma=0), greedy(dec, sources[5])
@@ -770,11 +775,14 @@ def test_beam_search_default_is_auto_and_equals_plain(measured):
     out = dec.beam_search(source, beam_size=3, max_length=12)
     plain = dec.beam_search(source, gamma=0, beam_size=3, max_length=12)
     assert tokens(out) == tokens(plain) and max(abs(a - b) for a, b in zip(out.scores, plain.scores)) < 1e-9
-    assert out.stats.auto and out.stats.mode == "auto-beam" and measured["beam"] == 1
+    assert out.stats.auto and out.stats.mode == "auto-beam" and measured["batches"] == [4]
     dec.beam_search(source, beam_size=3, max_length=12)
-    assert measured["beam"] == 1  # kept
+    dec.beam_search(source[:3], beam_size=3, max_length=12)
+    assert measured["beam"] == 1  # kept, for the row class of 3 and 4 items
     dec.beam_search(source, beam_size=2, max_length=12)
     assert measured["beam"] == 2  # per beam size (and width)
+    dec.beam_search(source[:1], beam_size=2, max_length=12)
+    assert measured["batches"] == [4, 4, 1]  # and per batch's row class
 
 
 def test_beam_search_speculates_only_where_predicted_faster(costs):
@@ -792,6 +800,24 @@ def test_beam_search_speculates_only_where_predicted_faster(costs):
     assert out.stats.gamma == 1 and out.stats.exit_layer == model.early_exit_layer and sum(out.stats.committed_hist)
     assert tokens(out) == tokens(plain) and max(abs(a - b) for a, b in zip(out.scores, plain.scores)) < 1e-9
     assert dec.costs._beam_steps[1][1] == sum(out.stats.committed_hist)  # remembered for the next call
+
+
+def test_beam_search_seeds_each_batch_size_from_its_own_costs(monkeypatch):
+    """Speculative beam search predicted faster with one item and far slower with four (its verify pass
+    carries several times a beam step's rows): with four items auto does not explore it (it is only
+    revisited), with one it does; each from costs measured at that batch's row class."""
+    model = make_model(12, dtype=torch.float64)
+    source = make_source(4, 7, seed=8, lengths=[7, 5, 3, 6])
+    kw = dict(beam_size=3, max_length=12)
+    by_batch = {1: BeamCosts(1e-3, (1e-4, 1e-3)), 4: BeamCosts(1e-3, (4e-3, 6e-3))}
+    asked = []
+    monkeypatch.setattr(measure, "measure_beam", lambda dec, k, w, batch=1: asked.append(batch) or by_batch[batch])
+    dec = SpeculativeDecoder(model)
+    for _ in range(EXPLORE_CALLS + 1):
+        assert dec.beam_search(source, **kw).stats.gamma == 0
+        assert dec.beam_search(source[1:], **kw).stats.gamma == 0  # 3 items: the class of 4
+    assert dec.beam_search(source[:1], **kw).stats.gamma == 1
+    assert asked == [4, 1]
 
 
 @pytest.mark.parametrize("synthetic", ["measured", "CHEAP"])
@@ -876,7 +902,7 @@ def test_total_of_auto_stats_describes_the_sum():
 def test_drop_in_generate_uses_auto_where_outputs_cannot_change(sources, monkeypatch):
     calls = []
     monkeypatch.setattr(measure, "measure_sampling", lambda dec: calls.append("sampling") or STEEP)
-    monkeypatch.setattr(measure, "measure_beam", lambda dec, k, w: calls.append("beam") or BeamCosts(1e-3, (4e-3, 6e-3)))
+    monkeypatch.setattr(measure, "measure_beam", lambda dec, k, w, batch=1: calls.append("beam") or BeamCosts(1e-3, (4e-3, 6e-3)))
     model = patch(make_model(0, cond_drop_prob=0.2))
     kw = dict(source_type="text", target_type="speech", max_length=MAX_LEN)
     greedy_out = model.generate(sources[4], **kw, temperature=0.0)

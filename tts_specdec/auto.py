@@ -50,9 +50,13 @@ DRAFT_CONFIDENCE = 0.9
 # A speculative cycle's seconds per token swing with its acceptance (at batch 1 a gamma-4 cycle emits 1..5
 # tokens in about the same time), so a few lucky cycles must not settle the choice: every arm first runs
 # EXPLORE_CYCLES times; a beam search call is one long run, steadier and dearer, so arms run
-# EXPLORE_CALLS calls each (two: the least that gives a spread).
+# EXPLORE_CALLS calls each. Its seconds per beam step still swing from call to call (speculative beam
+# search's with the sentences' acceptance, both with load elsewhere: 10.8-12.6 ms a step at width 512,
+# one item), and where the arms differ by 5-10% two calls each settled on the slower in two grid runs of
+# three; only arms predicted within PLAUSIBLE of the fastest at the call's batch size are explored, where
+# a wrong call costs little, so four.
 EXPLORE_CYCLES = 4
-EXPLORE_CALLS = 2
+EXPLORE_CALLS = 4
 # after that, where plain decoding has the lowest seconds per token it runs; where a speculative arm has,
 # the speculative arm with the lowest seconds per token drawn from its estimate and standard error runs
 # (Thompson sampling among speculative arms, close alternatives: one runs about as often as it might

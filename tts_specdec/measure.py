@@ -40,12 +40,13 @@ KEEP = 4  # states kept per decoder (a training loop changes parameters every ca
 
 
 class Costs:
-    """The cost models of one decoder, each measured once per (parameters, dtype, device, threads), the
-    timings of auto's arms, and the beam steps speculative beam search committed per cycle in auto calls."""
+    """The cost models of one decoder, each measured once per (parameters, dtype, device, threads) (and
+    for beam search per beam size, draft width and batch row class), the timings of auto's arms, and the
+    beam steps speculative beam search committed per cycle in auto calls."""
 
     def __init__(self) -> None:
         self._sampling: dict[tuple, CostModel] = {}
-        self._beam: dict[tuple, BeamCosts] = {}
+        self._beam: dict[tuple, dict[tuple[int, int, int], BeamCosts]] = {}  # (beam size, width, row class)
         self._arms: dict[tuple, dict[int, Arms]] = {}
         self._beam_steps: dict[int, tuple[float, float]] = {}  # gamma -> (committed steps, cycles)
 
@@ -63,18 +64,29 @@ class Costs:
         """The timed arms of auto sampling (greedy or not, guided or not) by row class, kept across calls."""
         return _kept(self._arms, (self.key(dec), "sample", sampling, guided), dict)
 
-    def beam(self, dec: Decoder, beam_size: int, draft_width: int) -> BeamCosts:
-        key = (self.key(dec), beam_size, draft_width)
-        return _kept(self._beam, key, lambda: measure_beam(dec, beam_size, draft_width))
+    def beam(self, dec: Decoder, beam_size: int, draft_width: int, batch: int = 1) -> BeamCosts:
+        """What beam search costs for a batch of `batch` items' row class (`auto.row_class`), measured on
+        first use. A verify pass carries about 2-3 times a beam step's rows, so speculative beam search's
+        worth falls with the batch (width 512, 2 threads: 1.05-1.12x of beam search with one item,
+        0.66-0.69x with eight): seeded from one item alone, auto explored it at every batch size, and
+        where a burst of load elsewhere hit plain beam search's two exploring calls it kept speculating at
+        0.66-0.79x. Where the backend runs static shapes (the compiled path: each new shape compiles its
+        graphs, tens of seconds on a GPU) every batch gets the one-item costs."""
+        batch = 1 if dec.backend.static_shapes else row_class(batch)
+        costs = _kept(self._beam, self.key(dec), dict)
+        if (beam_size, draft_width, batch) not in costs:
+            costs[beam_size, draft_width, batch] = measure_beam(dec, beam_size, draft_width, batch)
+        return costs[beam_size, draft_width, batch]
 
     def beam_policy(self, dec: Decoder, batch: int, beam_size: int, draft_width: int, guided: bool) -> BeamPolicy:
-        """gamma="auto" for a beam search call: seeded by `beam`, timed per batch's row class."""
+        """gamma="auto" for a beam search call: seeded by `beam` at the batch's row class, timed per row
+        class."""
         tables = _kept(self._arms, (self.key(dec), "beam", beam_size, draft_width, guided), dict)
         rows = row_class(batch)
         table = tables.setdefault(rows, Arms(EXPLORE_CALLS))
         timed = [c for c, t in tables.items() if c < rows and {PLAIN, SPECULATIVE} <= set(t.sums)]
         steps = beam_steps_per_cycle(self._beam_steps, BEAM_GAMMAS)
-        return BeamPolicy(self.beam(dec, beam_size, draft_width), table, steps,
+        return BeamPolicy(self.beam(dec, beam_size, draft_width, batch), table, steps,
                           explore_all=not dec.backend.static_shapes, fewer_rows=tables[max(timed)] if timed else None)
 
     def observe_beam(self, gamma: int, committed_hist: list[int]) -> None:
@@ -144,15 +156,17 @@ def measure_sampling(dec: Decoder) -> CostModel:
     return CostModel(t_step, per_draft / t_step, v, dec.device.type)
 
 
-def measure_beam(dec: Decoder, beam_size: int, draft_width: int) -> BeamCosts:
-    """Time short plain and speculative (BEAM_GAMMAS, `draft_width`) beam searches on a short dummy
-    source: seconds per beam step and per speculative cycle, the source's encoding taken out. These are
-    the real loops, their Python bookkeeping included (what decides whether speculative beam search
-    pays), each on its own cache. Call inside `inputs.eval_mode`, after `Decoder.begin`."""
+def measure_beam(dec: Decoder, beam_size: int, draft_width: int, batch: int = 1) -> BeamCosts:
+    """Time short plain and speculative (BEAM_GAMMAS, `draft_width`) beam searches of `batch` items on a
+    short dummy source: seconds per beam step and per speculative cycle, the source's encoding taken out.
+    These are the real loops, their Python bookkeeping included (what decides whether speculative beam
+    search pays), each on its own cache. Call inside `inputs.eval_mode`, after `Decoder.begin`."""
     from .spec_beam import spec_beam_search_loop
 
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     evals = list(dec.layer_evals)
-    source = _dummy_source(dec, BEAM_SOURCE_LENGTH)
+    source = _dummy_source(dec, BEAM_SOURCE_LENGTH).repeat(batch, 1)
     kw = dict(beam_size=beam_size, length_penalty=1.0, max_length=BEAM_PROBE_LENGTH, cond_scale=1.0)
 
     def plain() -> int:
