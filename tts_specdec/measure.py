@@ -70,7 +70,8 @@ class Costs:
         worth falls with the batch (width 512, 2 threads: 1.05-1.14x of beam search with one item,
         0.65-0.69x with eight): seeded from one item alone, auto explored it at every batch size, and in
         one grid its exploring calls (on a machine whose speed drifted by up to 1.5x) put it ahead at 2, 4
-        and 8 items, where it then ran at 0.95x, 0.79x and 0.66x. Where the backend runs static shapes
+        and 8 items, where it then ran at 0.95x, 0.79x and 0.66x; seeded at 4 and 8 items it is predicted
+        at 0.70-0.88x there. Where the backend runs static shapes
         (the compiled path: each new shape compiles its graphs, tens of seconds on a GPU) every batch gets
         the one-item costs."""
         batch = 1 if dec.backend.static_shapes else row_class(batch)
