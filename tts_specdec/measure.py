@@ -68,12 +68,9 @@ class Costs:
         """What beam search costs for a batch of `batch` items' row class (`auto.row_class`), measured on
         first use. A verify pass carries about 2-3 times a beam step's rows, so speculative beam search's
         worth falls with the batch (width 512, 2 threads: 1.05-1.14x of beam search with one item,
-        0.65-0.69x with eight): seeded from one item alone, auto explored it at every batch size, and in
-        one grid its exploring calls (on a machine whose speed drifted by up to 1.5x) put it ahead at 2, 4
-        and 8 items, where it then ran at 0.95x, 0.79x and 0.66x; seeded at 4 and 8 items it is predicted
-        at 0.70-0.88x there. Where the backend runs static shapes
-        (the compiled path: each new shape compiles its graphs, tens of seconds on a GPU) every batch gets
-        the one-item costs."""
+        0.65-0.69x with eight), which costs seeded from one item do not show. Where the backend runs
+        static shapes (the compiled path: each new shape compiles its graphs, tens of seconds on a GPU)
+        every batch gets the one-item costs."""
         batch = 1 if dec.backend.static_shapes else row_class(batch)
         costs = _kept(self._beam, self.key(dec), dict)
         if (beam_size, draft_width, batch) not in costs:
