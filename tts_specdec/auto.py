@@ -43,7 +43,7 @@ HALF_LIFE = 32.0
 # draft as far as a draft that is always right would pay for. Whether they beat a fixed gamma depends on
 # more than the cost model knows (on the CPU they won at batch 1 and lost at batch 4, where ragged drafts
 # pad a compute-bound verify), so on the CPU they are one more timed arm. On torch's path on a GPU the rule
-# needs a host copy per draft step and lost to a fixed gamma (docs/performance.md): not an arm there.
+# needs a host copy per draft step and lost to a fixed gamma (docs/performance-log.md): not an arm there.
 DRAFT_CONFIDENCE = 0.9
 
 # ---- the timed arms (`Arms`) ----
@@ -369,7 +369,7 @@ class SamplingPolicy:
         verify pass carries rows x (gamma + 1) tokens, and past ~12 the CPU's products turn compute-bound
         (tools/gemm_rows.py), which the cost model, measured at one row, does not see: its gamma (9-10 at
         width 512) overshoots at batch 4 and 8, where gamma 3-5 were fastest and sampling at batch 8 with
-        gamma 10 or 5 ran at 0.89x and 1.23x of plain, gamma 3 at 1.34x (docs/performance.md)."""
+        gamma 10 or 5 ran at 0.89x and 1.23x of plain, gamma 3 at 1.34x (docs/performance-log.md)."""
         if rows > 1 and gamma >= 2 and self.arms[:2] == (STOPS, FIXED):
             shorter = (THIRD,) if 0 < gamma // 3 < gamma // 2 else ()
             return self.arms[:2] + (SHORT,) + shorter + self.arms[2:]

@@ -200,7 +200,7 @@ def default_draft_width(beam_size: int) -> int:
     (callers lower it to beam_size x vocabulary with `check_draft_width`). A level of K nodes must hold
     all K of the target's next beams for a cycle to commit a second step; a few more nodes raise the odds
     of that for little: at width 512 with 4 beams and gamma 1, widths 5 and 6 committed 1.57 and 1.62
-    steps a cycle against width 4's 1.42, and ran 3-7% faster (docs/performance.md), while width 8's
+    steps a cycle against width 4's 1.42, and ran 3-7% faster (docs/performance-log.md), while width 8's
     larger verify pass lost what it gained."""
     return beam_size + -(-beam_size // 4)
 
