@@ -42,7 +42,8 @@ except ImportError:  # not POSIX: torch's own lock file only
     fcntl = None
 
 PANEL = 16
-GROUP = 4  # panels per group (kGroup in csrc/small_gemm.cpp)
+GROUP = 4  # panels per group (kGroup in csrc/kernels.h)
+BLOCK = 32  # terms per slab (kBlock in csrc/kernels.h)
 # read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
 ENABLED = os.environ.get("TTS_SPECDEC_KERNELS", "1") != "0"
 _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "accept.cpp", "fingerprint.cpp", "layers.cpp")]
@@ -165,10 +166,23 @@ def unavailable_reason() -> str | None:
     return _failed
 
 
+def _slabs(w: Tensor) -> Tensor:
+    """One group's float32 weights (in, panels x 16) as the kernel reads them, flattened: slab after slab
+    of BLOCK terms (the last one shorter where `in` is not a multiple of BLOCK), each slab panel by panel,
+    each panel's terms in order (16 weights each)."""
+    rows, panels = w.shape[0], w.shape[1] // PANEL
+    full = rows - rows % BLOCK
+    whole = w[:full].reshape(full // BLOCK, BLOCK, panels, PANEL).permute(0, 2, 1, 3).reshape(-1)
+    rest = w[full:].reshape(rows - full, panels, PANEL).permute(1, 0, 2).reshape(-1)
+    return torch.cat([whole, rest])
+
+
 class Packed:
     """A weight stored as (in, out) for `x @ w`, packed for the kernel: 16-column panels in groups of
-    GROUP, each group term-major (term k of its panels side by side, then term k + 1), so the kernel
-    reads a group's slab of terms as one run of memory and a thread's panels as one stream.
+    GROUP, each group slab by slab of BLOCK terms, so the kernel reads a slab as one run of memory and a
+    thread's panels as one stream; within a slab float32 panels one after another (`_slabs`: a tile's
+    pass over one panel reads one run of memory), bfloat16 panels term by term (term k of each panel side
+    by side), the faster for each (csrc/kernels.h).
     `panels` has the shape (out / 16, in, 16) of the panels but that memory order: only the kernel
     reads it."""
 
@@ -183,7 +197,8 @@ class Packed:
         if store not in (torch.float32, torch.bfloat16):
             raise ValueError(f"store: float32 or bfloat16, not {store}")
         w = w_t.detach().to(store)
-        groups = [w[:, c : c + GROUP * PANEL].contiguous().view(-1) for c in range(0, cols, GROUP * PANEL)]
+        pack = _slabs if store == torch.float32 else lambda g: g.contiguous().view(-1)  # (csrc/kernels.h)
+        groups = [pack(w[:, c : c + GROUP * PANEL]) for c in range(0, cols, GROUP * PANEL)]
         self.panels = torch.cat(groups).view(cols // PANEL, rows, PANEL)
         self.width = cols if width is None else width
 

@@ -2,7 +2,7 @@
 //
 // W (in, out) is packed once as out/16 panels of (in, 16) floats (or bfloat16s: half the bytes to stream,
 // each widened exactly to float32 as it is loaded, then summed as floats are), in groups of kGroup panels
-// stored term-major (`kernels.Packed`). A call walks a thread's groups; within a group, slab after slab of
+// stored slab by slab (kernels.h, `kernels.Packed`). A call walks a thread's groups; within a group, slab after slab of
 // kBlock terms: the slab's weights (kGroup x kBlock x 16 floats, 8 KB, one run of memory) come from
 // memory once and stay in L1 while every tile of rows passes over them, so the weights stream once per
 // call for any number of rows, and the arithmetic of the row tiles overlaps the stream (prefetched
@@ -26,9 +26,6 @@
 namespace tts {
 namespace {
 
-// blocked summation: each block of kBlock terms is summed on its own, then added to the total, so
-// rounding grows with kBlock + in / kBlock rather than with in (no worse than MKL's blocked sums)
-constexpr int64_t kBlock = 32;
 // A thread hand-off (OpenMP fork and join) costs some microseconds: a thread takes a share only when it
 // holds at least kMinTaskWork multiply-adds, a weight read counting as kWeightCost of them (streaming
 // a weight costs about that many FMAs' time), so the products of a small cache-resident model stay on
