@@ -5,6 +5,7 @@ final head: every drafted step is accepted), random (the untrained exit head: al
 and partial (exit one layer below the top with the copied head: some cycles accept, some do not).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -99,8 +100,13 @@ def test_wide_draft_and_gqa(layout):
     assert_same(dec.beam_search(source, gamma=0, **kw), dec.beam_search(source, **kw, gamma=4, draft_width=6))
 
 
-def test_float32_many_sources_near_ties_only():
-    """50 random sources in float32: any difference must be a near-tie between final hypotheses."""
+def test_float32_many_sources(layout):
+    """50 random sources in float32. On the kernels the same bits as beam search: a tree node's attention
+    sums only the keys it sees, in their order, as a beam step does (csrc/attention.cpp, `attend`). On
+    torch's path (no such promise: its softmax sums masked keys as zeros, wherever they lie) any
+    difference must be a near-tie between final hypotheses."""
+    from tts_specdec import kernels
+
     model = draft_model("partial", seed=3)
     dec = SpeculativeDecoder(model)
     lengths = torch.randint(1, 9, (50,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -109,7 +115,11 @@ def test_float32_many_sources_near_ties_only():
     plain, spec = dec.beam_search(source, gamma=0, **kw), dec.beam_search(source, **kw, gamma=3)
     differ = [i for i in range(50) if not torch.equal(plain.tokens[i], spec.tokens[i])]
     gaps = [abs(plain.scores[i] - spec.scores[i]) for i in differ]
-    print(f"float32: {len(differ)} of 50 sources differ, score gaps {gaps}")
+    print(f"float32, {layout}: {len(differ)} of 50 sources differ, score gaps {gaps}")
+    if layout == "kernel" and kernels.available():
+        assert dec.decoder.backend.name == "kernels"
+        assert [t.tolist() for t in spec.tokens] == [t.tolist() for t in plain.tokens]
+        assert spec.scores == plain.scores  # every score to the bit
     assert all(g < 1e-4 for g in gaps)
     assert max(abs(a - b) for a, b in zip(plain.scores, spec.scores)) < 1e-4
     hist = spec.stats.committed_hist
@@ -140,13 +150,16 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, kind, semanti
     (`Backend.beam_draft`); without it `spec_beam.draft` builds the tree level by level and `verify` passes
     over it. Every cycle runs both ways from the same cache: the same tree (nodes, tables, exit states),
     the same target log-probs and the same K/V written in every layer, for items at different lengths
-    (rows at different slots), EOS blocked or not, a temperature, and an exit at the last layer."""
+    (rows at different slots), EOS blocked or not, a temperature, and an exit at the last layer. Where a
+    root is ready (its token verified by the last cycle, `_Live.ready`), the one call skips it: passed level
+    by level it is recomputed, and its K/V and log-probs must equal what the last cycle left (the same
+    bits), as they do for a plain beam step."""
     from tts_specdec import kernels, spec_beam
     from tts_specdec.backends.kernels_cpu import CpuKernels
 
     if not kernels.available():
         pytest.skip("the CPU kernels do not run here")
-    inner, compared, made = CpuKernels.beam_draft, [], []
+    inner, compared, made, readied = CpuKernels.beam_draft, [], [], []
 
     def one_call(*args, **kwargs):
         out = inner(*args, **kwargs)
@@ -168,8 +181,12 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, kind, semanti
         assert (tree.count_host, tree.row_host, tree.children) == (by_level.count_host, by_level.row_host, by_level.children)
         assert (tree.verified is not None) == (levels > 0) and by_level.verified is None
         assert torch.equal(spec_beam.verify(dec, live, by_level, cache, cond_scale, temperature), logprobs)
+        # recomputed, not carried: the ready roots' log-probs as a pass over them gives them
+        fresh = dataclasses.replace(live, ready=None, carried=None)
+        assert torch.equal(spec_beam.verify(dec, fresh, by_level, cache, cond_scale, temperature), logprobs)
         assert torch.equal(cache.k, after[0]) and torch.equal(cache.v, after[1])  # every layer's K/V
         compared.append(levels)
+        readied.append(0 if live.ready is None else int(live.ready.sum()))
         return tree
 
     spec_beam_draft = spec_beam.draft
@@ -182,3 +199,4 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, kind, semanti
                         temperature=temperature)
     assert dec.decoder.backend.name == "kernels" and len(compared) > 10 and max(compared) == 2
     assert sum(made) == sum(n > 0 for n in compared)  # every cycle with a level to draft, in one call
+    assert sum(readied) > 0  # some cycles started with roots already verified

@@ -4,7 +4,8 @@ Each case draws a model shape (width, heads, kv heads, depth, exit layer, vocabu
 scale), a ragged batch of sources, max_length and guidance, then checks one of:
   greedy  speculative greedy (gamma 1-8 or "auto", optional draft stops and draft guidance) == plain greedy, and
           a row of the batch decoded alone == that row in the batch;
-  beam    speculative beam search (gamma 1-3, draft width K..2K) == plain beam search;
+  beam    speculative beam search (gamma 1-3, draft width K..2K) == plain beam search (on the kernels
+          the scores too, to the bit);
   sample  speculative sampling with filters: every row within max_length, no EOS or pad in the output,
           accepted <= drafted; with top_k = 1 it must equal greedy decoding.
 Prints every failing case with what is needed to rebuild it. Run it on every path:
@@ -81,7 +82,11 @@ def beam_case(rng: random.Random, dec: SpeculativeDecoder, ref: SpeculativeDecod
     plain = ref.beam_search(src, beam_size=k, length_penalty=lp, max_length=ml, cond_scale=cs, gamma=0)
     spec = dec.beam_search(src, beam_size=k, length_penalty=lp, max_length=ml, cond_scale=cs, gamma=gamma,
                            draft_width=width)
-    return same(plain.tokens, spec.tokens), f"beam K={k} gamma={gamma} W={width} length_penalty={lp} max_length={ml}"
+    what = f"beam K={k} gamma={gamma} W={width} length_penalty={lp} max_length={ml}"
+    # on the kernels a tree pass gives each node a beam step's bits: the scores too, to the last bit
+    # (torch's path sums hidden keys as zeros: its scores may differ in the last bits)
+    exact_scores = dec is ref and dec.decoder.backend.name == "kernels"
+    return same(plain.tokens, spec.tokens) and (not exact_scores or plain.scores == spec.scores), what
 
 
 def sample_case(rng: random.Random, dec: SpeculativeDecoder, src: torch.Tensor, ml: int, cs: float,

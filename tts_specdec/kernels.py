@@ -312,7 +312,7 @@ def beam_draft(
     stack: Stack, head: Head, emb: Tensor, x0: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int,
     trunk: range, temperature: float, eos: int | None, cos: Tensor, sin: Tensor, k_all: Tensor, v_all: Tensor,
     enc_keys: Tensor, enc_values: Tensor, cross_mask: Tensor | None, enc_rows: Tensor | None = None,
-    upper: range | None = None,
+    upper: range | None = None, ready: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """A speculative beam cycle's draft tree in one call (csrc/layers.cpp, `spec_beam.draft` unguided):
     beam search with `head` over the layers `trunk` for `levels` levels of `width` nodes per item from the
@@ -320,13 +320,14 @@ def beam_draft(
     root's cache row under the tree mask; eos (or None) is never a node. Returns (hs (R, M, dim), anc
     (R, M, M), depth (R, M), count (R,), per node row, index, parent, token, path (N, levels), and last
     the outputs (N, dim) by node of the verify pass over every node through `upper` (the layers above the
-    trunk; none: the exit states)."""
+    trunk; none: the exit states). ready (R,) bool: roots the verify pass skips, leaving their K/V at slot t
+    as it is (already taken through every layer; their outputs are zero)."""
     if trunk.start != 0 or (upper is not None and upper.start != trunk.stop):
         raise ValueError("the draft's trunk starts at layer 0, the verify pass where it ends")
     return tuple(_module.beam_draft(
         stack._stack, head._head, emb, x0, t, score, items, levels, width, trunk.stop,
         trunk.stop if upper is None else upper.stop, temperature,
-        -1 if eos is None else eos, cos, sin, k_all, v_all, enc_keys, enc_values, cross_mask, enc_rows))
+        -1 if eos is None else eos, cos, sin, k_all, v_all, enc_keys, enc_values, cross_mask, enc_rows, ready))
 
 
 def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:

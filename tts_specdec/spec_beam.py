@@ -11,7 +11,10 @@ Per cycle, every active item at its own length t (its live beams' pending inputs
           step whose new beams leave the tree is still committed (its log-probs were exact)
   commit  new beam j keeps its root's row if it is the first new beam from that root, else takes a row of
           its item that no new beam descends from (one reorder per cycle, of those rows only); its
-          accepted path's K/V moved from their tree slots to slots t+1.., cropped to t + committed steps
+          accepted path's K/V moved from their tree slots to slots t+1.., cropped to t + committed steps.
+          Where its pending token is itself a verified node (the cycle ended because another beam left
+          the tree), that node's K/V move too and its log-probs are kept: the next cycle's verify pass
+          skips it (`_Live.ready`), a root less in a pass whose cost grows with its rows
 The result is token for token what `beam.beam_search_loop` returns, for either beam semantics. With
 spear-tts's ("upstream"), items advance at different rates but the search stops for all of them
 together (`_Together`).
@@ -50,6 +53,11 @@ class _Live:
     rows_t: Tensor  # the same on the device (sent with the commit's one copy)
     x: Tensor  # (A * K * g, 1, dim) pending inputs (not yet through any layer), by cache row
     enc: Encoded  # one entry per cache row
+    # by row (A * K,): the pending input is a node the last verify pass took through every layer (its
+    # K/V already at its slot), and that pass's target log-probs after it (rows not ready: unset); None:
+    # no row is ready
+    ready: Tensor | None = None
+    carried: Tensor | None = None
 
 
 @dataclass
@@ -77,6 +85,7 @@ class _Advance:
     steps: int
     parents: list[int] | None  # the node each new live beam extends; None: the item is done
     tokens: Tensor | None  # (K,) pending input of each new live beam
+    verified: list[int | None] | None = None  # the node each new beam's pending input is, if verified
 
 
 @dataclass
@@ -177,7 +186,7 @@ def spec_beam_search_loop(
             stats.committed_hist[adv.steps] += 1
             if adv.parents is None:
                 done[live.items[a]] = live.states[a]
-        live = commit(dec, live, tree, advances, cache, guided)
+        live = commit(dec, live, tree, advances, cache, guided, logprobs)
         stats.steps += 1
         stats.target_passes += 1
         stats.draft_passes += levels
@@ -214,7 +223,7 @@ def draft(
         score = torch.empty_like(score).index_copy_(0, live.rows_t, score)
     blocked = eos if eos is not None and live.states[0].semantics == "standard" else None
     whole = None if guided or static else dec.backend.beam_draft(live.x, t, score, a_n, levels, width, temperature,
-                                                                blocked, live.enc, cache)
+                                                                blocked, live.enc, cache, live.ready)
     if whole is not None:  # the backend drafted the whole tree, and passed over it, in one call
         hs, anc, depth, count, row, index, parent, token, path, verified = whole
         row_l, parent_l, token_l = torch.stack((row, parent, token)).tolist()
@@ -308,10 +317,12 @@ def _tree_pass(
 def verify(
     dec: Decoder, live: _Live, tree: _Tree, cache: KVCache, cond_scale: float, temperature: float = 1.0
 ) -> Tensor:
-    """One target pass (layers E+1..L) over every node of every root row; log-probs per node (N, V)."""
+    """One target pass (layers E+1..L) over every node of every root row; log-probs per node (N, V). A
+    ready root's are the last cycle's (`_Live.ready`: the backend's one call skipped it; passed level by
+    level it is recomputed, to the same bits)."""
     guided = cond_scale > 1
     if tree.verified is not None:  # the draft's call ran the pass
-        return step_logprobs(dec.target_logits(tree.verified), cond_scale, temperature)
+        return _carry(live, step_logprobs(dec.target_logits(tree.verified), cond_scale, temperature))
     k = live.states[0].beam_size
     t = live.pos.repeat_interleave(k)
     static = dec.backend.static_shapes  # the whole tree's size instead of the largest row's
@@ -325,7 +336,16 @@ def verify(
                              None if static else max(live.lengths) + m))
     g = 2 if guided else 1
     nodes = h.view(t.numel(), g, m, -1)[tree.row, :, tree.index]  # (N, g, dim): the head skips padding
-    return step_logprobs(dec.target_logits(nodes.flatten(0, 1)), cond_scale, temperature)
+    return _carry(live, step_logprobs(dec.target_logits(nodes.flatten(0, 1)), cond_scale, temperature))
+
+
+def _carry(live: _Live, logprobs: Tensor) -> Tensor:
+    """The ready roots' log-probs (node id = row) taken from the last cycle."""
+    if live.ready is None:
+        return logprobs
+    r_n = live.ready.numel()
+    logprobs[:r_n] = torch.where(live.ready[:, None], live.carried, logprobs[:r_n])
+    return logprobs
 
 
 def replay(
@@ -351,29 +371,42 @@ def replay(
                 break
             rows, tokens, scores = out.host
             parents = [nodes[j] for j in rows]
-            nxt = [tree.children.get(pt) for pt in zip(parents, tokens)]
+            found = [tree.children.get(pt) for pt in zip(parents, tokens)]
             # a -inf beam (fewer than K candidates) never expands again: any verified node serves it
             dead = [s == -math.inf for s in scores]
-            nxt = [p if n is None and dd else n for n, p, dd in zip(nxt, parents, dead)]
+            nxt = [p if n is None and dd else n for n, p, dd in zip(found, parents, dead)]
             if None in nxt:  # a new beam left the tree: this step is committed, the cycle ends
-                advances.append(_Advance(steps, parents, out.tokens))
+                advances.append(_Advance(steps, parents, out.tokens,
+                                         [None if dd else n for n, dd in zip(found, dead)]))
                 break
             nodes = nxt
     return advances
 
 
 def commit(
-    dec: Decoder, live: _Live, tree: _Tree, advances: list[_Advance], cache: KVCache, guided: bool
+    dec: Decoder, live: _Live, tree: _Tree, advances: list[_Advance], cache: KVCache, guided: bool,
+    logprobs: Tensor | None = None,
 ) -> _Live:
     """New beam j takes a row of its item: its root's row if it is the first new beam from that root, else a
     row no new beam descends from (the root's K/V copied there: one reorder per cycle, of those rows only);
-    then its accepted path's K/V move to slots t+1.., t+steps-1."""
+    then its accepted path's K/V move to slots t+1.., t+steps-1, and to t+steps its pending input's where
+    that is a verified node (the row is then ready, with that node's `logprobs`)."""
     kept = [a for a, adv in enumerate(advances) if adv.parents is not None]
     device, k = live.pos.device, live.states[0].beam_size
     if not kept:
         return _Live([], [], live.pos[:0], [], [], live.rows_t[:0], live.x[:0], live.enc)
     steps_l = [advances[a].steps for a in kept]
-    nodes = [p for a in kept for p in advances[a].parents]
+    # per new beam: its pending input's node where that is verified (None: it is not, or there are no
+    # log-probs to keep), the deepest node of the path it keeps (that node, or its parent) and how many of
+    # the path's nodes move (the root stays at slot t)
+    verified, ends, moves = [], [], []
+    for a in kept:
+        adv = advances[a]
+        for p, n in zip(adv.parents, adv.verified or [None] * k):
+            n = n if logprobs is not None else None
+            verified.append(n)
+            ends.append(p if n is None else n)
+            moves.append(adv.steps - (n is None))
     source, rows = [], []  # per new row (kept items' blocks in order): the old row it copies; per new beam: its row
     for i, a in enumerate(kept):
         roots = [tree.row_host[p] for p in advances[a].parents]
@@ -386,30 +419,37 @@ def commit(
         source += block
         rows += [i * k + new - a * k for new in own]
     # one copy to the device (each copy of host data waits for a GPU): kept items, their steps, the beams'
-    # nodes and rows, the rows' sources
-    sent = torch.tensor(kept + steps_l + nodes + rows + source, device=device)
-    kept_t, steps, node, rows_t, source_t = sent.split([len(kept), len(kept), len(nodes), len(rows), len(source)])
+    # path ends, moves, rows and verified nodes, the rows' sources
+    sent = torch.tensor(kept + steps_l + ends + moves + rows + [-1 if n is None else n for n in verified] + source,
+                        device=device)
+    kept_t, steps, end, moved, rows_t, node, source_t = sent.split(
+        [len(kept), len(kept), len(ends), len(moves), len(rows), len(verified), len(source)])
     pos = live.pos[kept_t] + steps
     if source != list(range(len(live.rows))):
         cache.reorder(dec.rows(source_t, guided))
-    # the accepted path of each new beam: ancestors of its parent node at depths 1..steps-1
-    s_max = max(steps_l) - 1
+    # the accepted path of each new beam: its path end's ancestors at depths 1..moves (itself included
+    # where it is verified: its depth is the steps committed)
+    s_max = max(moves)
     if s_max > 0:
-        path = tree.path[node, :s_max]  # columns past a node's depth: 0 (only a dead beam's node is shallower)
+        path = tree.path[end, :s_max]  # columns past a node's depth: 0 (only a dead beam's node is shallower)
         t = live.pos[kept_t].repeat_interleave(k)
         span = torch.arange(1, s_max + 1, device=device)
-        valid = span <= (steps.repeat_interleave(k) - 1)[:, None]
+        valid = span <= moved[:, None]
         dst = t[:, None] + span
         src = torch.where(valid, t[:, None] + path, dst)  # invalid columns copy a slot onto itself
         cache.move_slots(dec.rows(rows_t, guided), dec.per_row(src, guided), dec.per_row(dst, guided))
     cache.crop(dec.per_row(pos.repeat_interleave(k), guided))
     tokens = torch.cat([advances[a].tokens for a in kept])
     tokens = torch.empty_like(tokens).index_copy_(0, rows_t, tokens)  # by row
+    ready = carried = None
+    if any(n is not None for n in verified):  # by row, as the tokens
+        ready = torch.empty_like(node, dtype=torch.bool).index_copy_(0, rows_t, node >= 0)
+        carried = torch.empty_like(logprobs[: len(rows)]).index_copy_(0, rows_t, logprobs[node.clamp(min=0)])
     # the source side only changes when an item finished (every beam of an item shares it)
     enc = live.enc if len(kept) == len(advances) else live.enc.select(dec.rows(item_rows(kept_t, k), guided))
     lengths = [live.lengths[a] + n for a, n in zip(kept, steps_l)]
     return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, lengths, rows, rows_t,
-                 dec.embed(tokens[:, None], guided), enc)
+                 dec.embed(tokens[:, None], guided), enc, ready, carried)
 
 
 def _same(lengths: list[int]) -> int | None:

@@ -89,13 +89,14 @@ class Backend:
 
     def beam_draft(
         self, x: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int, temperature: float,
-        eos: int | None, enc: Encoded, cache: KVCache,
+        eos: int | None, enc: Encoded, cache: KVCache, ready: Tensor | None = None,
     ) -> tuple[Tensor, ...] | None:
         """A speculative beam cycle's whole draft and verify pass in one call, where the backend has one
         (unguided): the exit head's beam search for `levels` levels of `width` nodes per item from the roots
         x (R, 1, dim) at slots t (R,) with scores `score` (R,), R = items x beams, every node kept, then the
-        layers above the exit over every node (`kernels.beam_draft` says what it returns). None:
-        `spec_beam.draft` builds the tree level by level and `spec_beam.verify` passes over it instead."""
+        layers above the exit over every node but the `ready` roots (R,) bool, whose K/V at slot t it leaves
+        as they are (`kernels.beam_draft` says what it returns). None: `spec_beam.draft` builds the tree level
+        by level and `spec_beam.verify` passes over it instead."""
         return None
 
     def run_cycle(

@@ -79,7 +79,7 @@ class CpuKernels(TorchEager):
 
     def beam_draft(
         self, x: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int, temperature: float,
-        eos: int | None, enc: Encoded, cache: KVCache,
+        eos: int | None, enc: Encoded, cache: KVCache, ready: Tensor | None = None,
     ) -> tuple[Tensor, ...] | None:
         """The draft and the verify pass in one kernel call (`kernels.beam_draft`): some 90 small tensor
         operations and a count read back per level in `spec_beam.draft` and `verify`, each costing ~10-20
@@ -96,9 +96,10 @@ class CpuKernels(TorchEager):
         trunk, upper = range(dec.exit_layer), range(dec.exit_layer, dec.depth)
         out = kernels.beam_draft(self.stack, head.kernel, self._embedding, x[:, 0].contiguous(), t, score.float(), items,
                                  levels, width, trunk, temperature, eos, *dec._rope, k_all, v_all, enc.keys, enc.values,
-                                 enc.cross_mask, enc.source, upper)
-        for i in range(dec.depth):
-            dec.layer_evals[i] += out[4].numel()  # every node once, in every layer
+                                 enc.cross_mask, enc.source, upper, ready)
+        skipped = 0 if ready is None else int(ready.sum())
+        for i in range(dec.depth):  # every node once in every layer, but ready roots above the trunk
+            dec.layer_evals[i] += out[4].numel() - (skipped if i >= dec.exit_layer else 0)
         return out
 
     def plain_steps(

@@ -120,12 +120,24 @@ inline void weighted_sum(const float* w, const Rows& V, int64_t keys, float inv,
   for (int u = 0; u < W; ++u) _mm256_storeu_ps(out + 8 * u, _mm256_mul_ps(a[u], s));
 }
 
-// out[0:d] = softmax(q . K(j) * scale + mask[j], j < keys) @ V, K(j) and V(j) the rows of key j
-// (`Strided` or `Tabled`: the same arithmetic in the same order either way).
+// The keys a mask leaves visible, by rank: key c is row idx[c] of `rows` (see `attend`).
+template <typename Rows>
+struct Picked {
+  Rows rows;
+  const int64_t* idx;
+  const float* operator()(int64_t c) const { return rows(idx[c]); }
+  Picked offset(int64_t t) const { return {rows.offset(t), idx}; }
+  void prefetch(int64_t c, int64_t n, int64_t d) const {
+    if (c < n) rows.prefetch(idx[c], idx[c] + 1, d);
+  }
+};
+
+// out[0:d] = softmax(q . K(j) * scale + mask[j], j < keys) @ V over keys that are all visible, K(j) and
+// V(j) the rows of key j (`Strided`, `Tabled` or `Picked`: the same arithmetic in the same order).
 // `buf` holds at least keys rounded up to 8 floats.
 template <typename Rows>
-void attend(const float* q, const Rows& K, const Rows& V, int64_t keys, int64_t d,
-            const float* mask, float scale, float* out, float* buf) {
+void attend_visible(const float* q, const Rows& K, const Rows& V, int64_t keys, int64_t d,
+                    const float* mask, float scale, float* out, float* buf) {
   int64_t j = 0;
   for (; j + 4 <= keys; j += 4) {  // four keys at once: four independent FMA chains
     for (int64_t u = 8; u < 12; ++u) K.prefetch(j + u, keys, d);
@@ -185,6 +197,24 @@ void attend(const float* q, const Rows& K, const Rows& V, int64_t keys, int64_t 
   }
 }
 
+// out[0:d] = softmax(q . K(j) * scale + mask[j], j < keys) @ V. Keys the mask hides (-inf) are left out
+// before any sum rather than added as zero weights: the softmax's sum runs in 8 lanes by key rank, so a
+// hidden key between two visible ones would move the later ones to other lanes and round the sum
+// otherwise. So a tree node that sees its prefix and its ancestors gets the bits a plain step over that
+// prefix and those ancestors gives (row-count invariance across a tree pass and a beam step).
+template <typename Rows>
+void attend(const float* q, const Rows& K, const Rows& V, int64_t keys, int64_t d,
+            const float* mask, float scale, float* out, float* buf) {
+  if (!mask) return attend_visible(q, K, V, keys, d, nullptr, scale, out, buf);
+  thread_local std::vector<int64_t> idx;
+  thread_local std::vector<float> bias;
+  if (idx.size() < size_t(keys)) idx.resize(keys), bias.resize(keys);
+  int64_t n = 0;
+  for (int64_t j = 0; j < keys; ++j)
+    if (mask[j] != -std::numeric_limits<float>::infinity()) idx[n] = j, bias[n++] = mask[j];
+  attend_visible(q, Picked<Rows>{K, idx.data()}, Picked<Rows>{V, idx.data()}, n, d, bias.data(), scale, out, buf);
+}
+
 // t * cos + rotate_half(t) * sin with rotate_half(x)[2i, 2i+1] = (-x[2i+1], x[2i]); the sign is
 // folded into the sin table (Decoder._ensure_rope), as in Decoder._rotate.
 inline void rotate(const float* t, const float* c, const float* s, int64_t d, float* out) {
@@ -222,6 +252,7 @@ void self_attention(const float* heads, const float* cos, const float* sin, cons
     const float* s = sin + pos[tok] * d;
     const float* src = heads + tok * width;
     for (int64_t j = 0; j < h; ++j) rotate(src + j * d, c, s, d, q_rot + tok * h * d + j * d);
+    if (slot < 0) continue;  // a padding token that leaves the cache alone (`token_slots`)
     for (int64_t j = 0; j < kvh; ++j) {
       rotate(src + (h + j) * d, c, s, d, cache.k + r * cache.k_row + j * cache.k_head + slot * d);
       std::copy(src + (h + kvh + j) * d, src + (h + kvh + j + 1) * d, cache.v + r * cache.v_row + j * cache.v_head + slot * d);
@@ -276,9 +307,10 @@ void check_float(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 // Each token's cache slot and rotary position (sp, pp, rows * n each) from pos, slots (rows, n) int64 of
-// any strides (expanded rows are common); every slot below `keys`, every position below `positions`.
+// any strides (expanded rows are common); every slot below `keys`, every position below `positions`. A
+// padding token (is_real given, is_real[token] == 0) may have slot -1: it writes nothing in the cache.
 void token_slots(const torch::Tensor& pos, const torch::Tensor& slots, int64_t keys, int64_t positions,
-                 std::vector<int64_t>& sp, std::vector<int64_t>& pp) {
+                 std::vector<int64_t>& sp, std::vector<int64_t>& pp, const uint8_t* is_real) {
   TORCH_CHECK(pos.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && pos.dim() == 2 &&
               pos.sizes() == slots.sizes(), "pos, slots: int64 (rows, n)");
   const int64_t rows = slots.size(0), n = slots.size(1);
@@ -290,7 +322,8 @@ void token_slots(const torch::Tensor& pos, const torch::Tensor& slots, int64_t k
     for (int64_t i = 0; i < n; ++i) {
       sp[r * n + i] = sd[r * slots.stride(0) + i * slots.stride(1)];
       pp[r * n + i] = pd[r * pos.stride(0) + i * pos.stride(1)];
-      TORCH_CHECK(0 <= sp[r * n + i] && sp[r * n + i] < keys && 0 <= pp[r * n + i] && pp[r * n + i] < positions,
+      const bool unwritten = sp[r * n + i] == -1 && is_real && !is_real[r * n + i];  // a padding token may write nothing
+      TORCH_CHECK((unwritten || (0 <= sp[r * n + i] && sp[r * n + i] < keys)) && 0 <= pp[r * n + i] && pp[r * n + i] < positions,
                   "slot or position out of range");
     }
 }
@@ -328,7 +361,7 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
   TORCH_CHECK(k_cache.stride(2) == d && v_cache.stride(2) == d, "cache slots must be contiguous rows of d");
   TORCH_CHECK(keys <= cap, "keys exceed the cache capacity");
   std::vector<int64_t> sp, pp;
-  token_slots(pos, slots, keys, cos.size(0), sp, pp);
+  token_slots(pos, slots, keys, cos.size(0), sp, pp, nullptr);
   const tts::MaskView mv = mask_view(mask, rows, n, keys);
   auto out = torch::empty({rows * n, h * d}, heads.options());
   auto q_rot = torch::empty({rows * n, h * d}, heads.options());

@@ -21,7 +21,7 @@ torch::Tensor self_attention(const torch::Tensor& heads, const torch::Tensor& co
 torch::Tensor cross_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
                               const c10::optional<torch::Tensor>& mask);
 void token_slots(const torch::Tensor& pos, const torch::Tensor& slots, int64_t keys, int64_t positions,
-                 std::vector<int64_t>& sp, std::vector<int64_t>& pp);  // attention.cpp, with the mask's check
+                 std::vector<int64_t>& sp, std::vector<int64_t>& pp, const uint8_t* is_real);  // attention.cpp
 torch::Tensor fingerprint(const std::vector<torch::Tensor>& tensors);  // fingerprint.cpp
 tts::MaskView mask_view(const c10::optional<torch::Tensor>& mask, int64_t rows, int64_t n, int64_t keys);
 std::vector<torch::Tensor> speculative_accept(const torch::Tensor& p, const torch::Tensor& q, const torch::Tensor& drafts,
@@ -100,7 +100,8 @@ class Stack {
   // (int64 (rows,)), or source r without enc_rows; cross_mask (rows, S) additive or none. real (or none):
   // int64, the increasing indices of the tokens whose outputs matter when rows are padded to n; the
   // products skip the others (their q, k, v zero, so their K/V in the cache is zero as on torch's path;
-  // their outputs zero), and the real tokens' results are those of a call without `real`.
+  // their outputs zero), and the real tokens' results are those of a call without `real`. A padding
+  // token's slot may be -1: it writes no K/V (what its slot holds stays, for the real tokens to read).
   torch::Tensor run(const torch::Tensor& x, int64_t first, int64_t last, const torch::Tensor& cos, const torch::Tensor& sin,
                     const torch::Tensor& pos, const torch::Tensor& slots, const torch::Tensor& k_all,
                     const torch::Tensor& v_all, const c10::optional<torch::Tensor>& table,
@@ -129,8 +130,6 @@ class Stack {
         for (int64_t s = 0; s < keys; ++s)
           TORCH_CHECK(0 <= tp[r * table->stride(0) + s] && tp[r * table->stride(0) + s] < k_all.size(1), "table: row out of range");
     }
-    std::vector<int64_t> sp, pp;
-    token_slots(pos, slots, keys, cos.size(0), sp, pp);
     const tts::MaskView mv = mask_view(mask, rows, n, keys);
     TORCH_CHECK(enc_keys.dim() == 5 && enc_keys.sizes() == enc_values.sizes() && enc_keys.size(0) == layers_ &&
                 (enc_rows || enc_keys.size(1) == rows) && enc_keys.size(2) == h_ && enc_keys.size(4) == d_ && enc_keys.stride(4) == 1 &&
@@ -167,6 +166,8 @@ class Stack {
       is_real.assign(tokens, 0);
       for (int64_t i = 0; i < live; ++i) is_real[index[i]] = 1;
     }
+    std::vector<int64_t> sp, pp;  // a padding token's slot may be -1: it leaves the cache alone
+    token_slots(pos, slots, keys, cos.size(0), sp, pp, index ? is_real.data() : nullptr);
     // a padding token attends to nothing: its attention output stays zero (the workspace is zeroed and
     // never written there), as its products' outputs do
     const uint8_t* attending = index ? is_real.data() : nullptr;
@@ -443,13 +444,16 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
 // Then the verify pass (`spec_beam.verify`): layers [last, upper) over every node of every row (rows
 // padded to the most nodes any row holds, padding skipped), each node at its slot and position under the
 // same tree mask; returns their outputs (N, dim) in node order as a last tensor (upper == last: the exit
-// states themselves).
+// states themselves). ready (R,) bool or none: roots whose token the last cycle's verify pass already
+// took through every layer (their K/V moved to slot t[r], `spec_beam.commit`): the verify pass skips
+// them and leaves their slot alone (their outputs: zero; the caller holds their log-probs).
 std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                       const torch::Tensor& t, const torch::Tensor& score, int64_t items, int64_t levels,
                                       int64_t width, int64_t last, int64_t upper, double temperature, int64_t eos, const torch::Tensor& cos,
                                       const torch::Tensor& sin, const torch::Tensor& k_all, const torch::Tensor& v_all,
                                       const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
-                                      const c10::optional<torch::Tensor>& cross_mask, const c10::optional<torch::Tensor>& enc_rows) {
+                                      const c10::optional<torch::Tensor>& cross_mask, const c10::optional<torch::Tensor>& enc_rows,
+                                      const c10::optional<torch::Tensor>& ready) {
   TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat && x0.is_contiguous(), "x0: contiguous float32 (R, dim)");
   const int64_t R = x0.size(0), dim = x0.size(1);
   TORCH_CHECK(items > 0 && R % items == 0, "items: a divisor of the rows");
@@ -460,6 +464,9 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
               "emb: contiguous float32 (tokens, dim)");
   TORCH_CHECK(levels >= 1 && width >= 1 && temperature >= 0.0, "levels >= 1, width >= 1, temperature >= 0");
   TORCH_CHECK(upper >= last, "upper: at or above last");
+  TORCH_CHECK(!ready || (ready->dim() == 1 && ready->size(0) == R && ready->scalar_type() == at::kBool && ready->is_contiguous()),
+              "ready: contiguous bool (R,)");
+  const bool* done = ready ? ready->data_ptr<bool>() : nullptr;
   const int64_t M = 1 + levels * width;
   const float inv_t = temperature == 1.0 ? 1.0f : float(1.0 / std::max(temperature, 1e-10));
   const auto lopt = t.options();
@@ -613,9 +620,10 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
     std::vector<int64_t> real_v;
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < m; ++j) {
+        const bool skipped = j == 0 && done && done[r];  // a ready root: padding that writes nothing
         pos.data_ptr<int64_t>()[r * m + j] = tp[r] + depth[r * M + j];
-        slots.data_ptr<int64_t>()[r * m + j] = tp[r] + j;
-        if (j < count[r]) real_v.push_back(r * m + j);
+        slots.data_ptr<int64_t>()[r * m + j] = skipped ? -1 : tp[r] + j;
+        if (j < count[r] && !skipped) real_v.push_back(r * m + j);
       }
     const int64_t keys = *std::max_element(tp, tp + R) + m;
     by_row = stack.run(x, last, upper, cos, sin, pos, slots, k_all, v_all, none, tree_mask(std::vector<int64_t>(R, 0), m, keys),
