@@ -376,6 +376,33 @@ def test_self_attention_matches_reference(h, kvh, masked, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_self_attention_masked_keys_give_the_bits_of_the_visible_ones(seed):
+    """A query under a mask that hides keys between visible ones (a tree node: its prefix and ancestors)
+    gets the bits of the same query over only the visible keys, laid out one after another with no mask
+    (a beam step): hidden keys are left out of every sum, not added as zero weights."""
+    _needs_kernel()
+    g = torch.Generator().manual_seed(seed)
+    h, kvh, d, cap, keys = 4, 2, 16, 64, 37
+    visible = [j for j in range(keys - 1) if torch.rand(1, generator=g) < 0.6]  # then the query's own slot
+    heads = torch.randn(1, (h + 2 * kvh) * d, generator=g)
+    cos, sin = torch.randn(64, d, generator=g), torch.randn(64, d, generator=g)
+    k_tree, v_tree = torch.randn(1, kvh, cap, d, generator=g), torch.randn(1, kvh, cap, d, generator=g)
+    mask = torch.full((1, 1, keys), float("-inf"))
+    mask[0, 0, visible + [keys - 1]] = 0.0
+    pos = torch.tensor([[50]])
+    tree = kernels.self_attention(heads, cos, sin, pos, torch.tensor([[keys - 1]]), k_tree, v_tree, mask, keys, h, kvh)
+    n = len(visible)
+    k_step, v_step = torch.zeros(1, kvh, cap, d), torch.zeros(1, kvh, cap, d)
+    k_step[:, :, :n], v_step[:, :, :n] = k_tree[:, :, visible], v_tree[:, :, visible]
+    step = kernels.self_attention(heads, cos, sin, pos, torch.tensor([[n]]), k_step, v_step, None, n + 1, h, kvh)
+    assert torch.equal(tree, step)
+    # every key hidden (a padding query): zeros, not NaN
+    none = kernels.self_attention(heads, cos, sin, pos, torch.tensor([[keys - 1]]), k_tree, v_tree,
+                                  torch.full((1, 1, keys), float("-inf")), keys, h, kvh)
+    assert torch.equal(none, torch.zeros_like(none))
+
+
 def test_cross_attention_matches_reference():
     _needs_kernel()
     g = torch.Generator().manual_seed(1)
