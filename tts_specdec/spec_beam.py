@@ -85,7 +85,7 @@ class _Advance:
     steps: int
     parents: list[int] | None  # the node each new live beam extends; None: the item is done
     tokens: Tensor | None  # (K,) pending input of each new live beam
-    verified: list[int | None] | None = None  # the node each new beam's pending input is, if verified
+    verified: list[int | None] | None = None  # the node each new beam's pending input is, if verified (None: done)
 
 
 @dataclass
@@ -384,8 +384,7 @@ def replay(
 
 
 def commit(
-    dec: Decoder, live: _Live, tree: _Tree, advances: list[_Advance], cache: KVCache, guided: bool,
-    logprobs: Tensor | None = None,
+    dec: Decoder, live: _Live, tree: _Tree, advances: list[_Advance], cache: KVCache, guided: bool, logprobs: Tensor,
 ) -> _Live:
     """New beam j takes a row of its item: its root's row if it is the first new beam from that root, else a
     row no new beam descends from (the root's K/V copied there: one reorder per cycle, of those rows only);
@@ -396,14 +395,12 @@ def commit(
     if not kept:
         return _Live([], [], live.pos[:0], [], [], live.rows_t[:0], live.x[:0], live.enc)
     steps_l = [advances[a].steps for a in kept]
-    # per new beam: its pending input's node where that is verified (None: it is not, or there are no
-    # log-probs to keep), the deepest node of the path it keeps (that node, or its parent) and how many of
-    # the path's nodes move (the root stays at slot t)
+    # per new beam: its pending input's node where that is verified (else None), the deepest node of the
+    # path it keeps (that node, or its parent) and how many of the path's nodes move (the root stays at t)
     verified, ends, moves = [], [], []
     for a in kept:
         adv = advances[a]
-        for p, n in zip(adv.parents, adv.verified or [None] * k):
-            n = n if logprobs is not None else None
+        for p, n in zip(adv.parents, adv.verified):
             verified.append(n)
             ends.append(p if n is None else n)
             moves.append(adv.steps - (n is None))
