@@ -650,16 +650,32 @@ void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
   const auto idx = index.contiguous();
   const int64_t* ip = idx.data_ptr<int64_t>();
   std::vector<int64_t> moved;
+  std::vector<char> is_moved(rows, 0);
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(0 <= ip[r] && ip[r] < rows, "index out of range");
-    if (ip[r] != r) moved.push_back(r);
+    if (ip[r] != r) moved.push_back(r), is_moved[r] = 1;
   }
   if (moved.empty() || high == 0) return;
+  // where no moved row is another's source (a speculative beam cycle's rows: they copy from rows that
+  // stay), each row is copied straight to its place: half the memory traffic of going through tmp
+  bool direct = true;
+  for (int64_t r : moved) direct = direct && !is_moved[ip[r]];
   float* base = t.data_ptr<float>();
   const int64_t span = high * d, row_stride = heads * cap * d;
   // a thread per layer only when a layer's copies are large (a fork/join costs some microseconds)
   const int64_t layer_bytes = int64_t(moved.size()) * heads * span * int64_t(sizeof(float));
   at::parallel_for(0, layers, layer_bytes >= (1 << 18) ? 1 : layers, [&](int64_t l0, int64_t l1) {
+    if (direct) {
+      for (int64_t l = l0; l < l1; ++l) {
+        float* layer = base + l * rows * row_stride;
+        for (int64_t r : moved)
+          for (int64_t h = 0; h < heads; ++h) {
+            const float* src = layer + ip[r] * row_stride + h * cap * d;
+            std::copy(src, src + span, layer + r * row_stride + h * cap * d);
+          }
+      }
+      return;
+    }
     std::vector<float> tmp(moved.size() * heads * span);
     for (int64_t l = l0; l < l1; ++l) {
       float* layer = base + l * rows * row_stride;
