@@ -227,12 +227,8 @@ def draft(
                                                                 blocked, live.enc, cache, live.ready)
     if whole is not None:  # the backend drafted the whole tree, and passed over it, in one call
         hs, anc, depth, count, row, index, parent, token, path, verified = whole
-        n = row.numel()
-        host = torch.cat((row, parent, token, count, path.flatten())).tolist()  # the one read-back
-        row_l, parent_l, token_l = host[:n], host[n : 2 * n], host[2 * n : 3 * n]
-        children = {(p, tk): i for i, (p, tk) in enumerate(zip(parent_l, token_l)) if i >= r_n}
-        return _Tree(row, index, path, anc, depth, hs, count, host[3 * n : 3 * n + r_n], row_l, children,
-                     host[3 * n + r_n :], verified)
+        row_l, children, path_l, count_l = _read_tree(r_n, row, parent, token, path, count)
+        return _Tree(row, index, path, anc, depth, hs, count, count_l, row_l, children, path_l, verified)
     anc = torch.eye(m_max, dtype=torch.bool, device=device).repeat(r_n, 1, 1)
     depth = torch.zeros(r_n, m_max, dtype=torch.long, device=device)
     hs = live.x.new_zeros(r_n * g, m_max, dim)
@@ -297,12 +293,22 @@ def draft(
             per_row_host = per_row.tolist()
             first_host, count_host = count_host, [a + b for a, b in zip(count_host, per_row_host)]
     row, index, parent, token, path = (torch.cat(f) for f in zip(*nodes))
-    n = row.numel() - r_n
-    host = torch.cat((row[r_n:], parent[r_n:], token[r_n:], path.flatten())).tolist()  # one read-back
-    row_l, parent_l, token_l = host[:n], host[n : 2 * n], host[2 * n : 3 * n]
-    children = {(p, tk): i + r_n for i, (p, tk) in enumerate(zip(parent_l, token_l))}
-    return _Tree(row, index, path, anc, depth, hs, count, None if static else count_host, list(range(r_n)) + row_l,
-                 children, host[3 * n :])
+    row_l, children, path_l, _ = _read_tree(r_n, row, parent, token, path)
+    return _Tree(row, index, path, anc, depth, hs, count, None if static else count_host, row_l, children, path_l)
+
+
+def _read_tree(
+    roots: int, row: Tensor, parent: Tensor, token: Tensor, path: Tensor, count: Tensor | None = None
+) -> tuple[list[int], dict[tuple[int, int], int], list[int], list[int] | None]:
+    """A tree's host side in one read-back: every node's row, the children of (parent node, token), every
+    node's path flattened, and the rows' node counts where given."""
+    n = row.numel()
+    parts = (row, parent, token, path.flatten()) + (() if count is None else (count,))
+    host = torch.cat(parts).tolist()
+    parent_l, token_l = host[n : 2 * n], host[2 * n : 3 * n]
+    children = {(p, tk): i for i, (p, tk) in enumerate(zip(parent_l, token_l)) if i >= roots}
+    end = 3 * n + path.numel()
+    return host[:n], children, host[3 * n : end], None if count is None else host[end:]
 
 
 def _tree_pass(
