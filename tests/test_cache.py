@@ -142,8 +142,7 @@ def test_writes_land_in_the_buffers_after_they_are_replaced(change):
 
 def test_by_reference_reorder_moves_table_entries_not_values():
     """A cache by reference: a reorder (and a dropped row) changes which storage each row reads, never the
-    K/V; reads through the table equal a cache by value after the same steps; verbs that would write a
-    slot another row still reads raise."""
+    K/V; reads through the table equal a cache by value after the same steps; it cannot gain rows."""
     caches = [KVCache(LAYERS, ROWS, HEADS, DIM, CAP, dtype=torch.float64, device=torch.device("cpu"), by_reference=ref)
               for ref in (False, True)]
     g = torch.Generator().manual_seed(1)
@@ -163,10 +162,58 @@ def test_by_reference_reorder_moves_table_entries_not_values():
     assert caches[1].rows == 3 and caches[1].k.shape[1] == ROWS  # storage rows stay put
     caches[1].grow(2 * CAP)
     assert caches[1].table.shape == (3, 2 * CAP)
-    with pytest.raises(ValueError, match="by value"):
-        caches[1].move_slots(torch.tensor([0]), torch.tensor([[0]]), torch.tensor([[1]]))
     with pytest.raises(ValueError, match="gain rows"):
         caches[1].reorder(torch.tensor([0, 0, 1, 1, 2]))
+
+
+def read(cache: KVCache, rows_lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What each row reads at its slots below its length (through its table where it has one)."""
+    out = []
+    for r, n in enumerate(rows_lengths):
+        at = [r] * n if cache.table is None else cache.table[r, :n].tolist()
+        out.append((torch.stack([cache.k[:, a, :, s] for s, a in enumerate(at)], 2),
+                    torch.stack([cache.v[:, a, :, s] for s, a in enumerate(at)], 2)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["torch", "kernel"])  # float32: the C++ path
+def test_by_reference_speculative_beam_commits_read_as_by_value(dtype):
+    """A speculative beam cycle's verbs on a cache by reference: items at different lengths t, a reorder
+    within each item (new beams share their root's prefix), the accepted paths moved from tree slots to
+    t+1.. (`move_slots`, from where each row's table points), new writes past each row's length, and a
+    finished item's rows dropped while the others differ in length (copied by value: rows moving down
+    must not write where other items' rows read). Every row reads what a cache by value holds."""
+    layers, rows, cap = 2, 6, 16
+    caches = [KVCache(layers, rows, HEADS, DIM, cap, dtype=dtype, device=torch.device("cpu"), by_reference=ref)
+              for ref in (False, True)]
+    g = torch.Generator().manual_seed(4)
+
+    def write(start: torch.Tensor, n: int) -> None:
+        for layer in range(layers):
+            k = torch.randn(caches[0].rows, HEADS, n, DIM, generator=g, dtype=dtype)
+            for cache in caches:
+                cache.claim(start, n)
+                cache.write(layer, k, -k, start)
+
+    t = torch.tensor([3, 3, 5, 5, 4, 4])  # three items of two beams
+    write(torch.zeros(rows, dtype=torch.long), 5)  # prefixes
+    write(t, 4)  # each row's tree at t..t+3
+    paths = torch.tensor([[2, 3], [1, 3], [1, 2], [3, 1], [2, 2], [3, 2]])  # rows sharing a root take other paths
+    for cache in caches:
+        cache.reorder(torch.tensor([1, 1, 2, 3, 5, 5]))  # within items
+        cache.move_slots(torch.arange(rows), t[:, None] + paths, t[:, None] + torch.tensor([1, 2]))
+        cache.crop(t + 3)
+    lengths = (t + 3).tolist()
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(read(caches[0], lengths), read(caches[1], lengths)))
+    write(t + 3, 1)  # the next cycle's pending inputs
+    for cache in caches:
+        cache.reorder(torch.tensor([2, 3, 4, 5]))  # the first item done: rows move down
+    lengths = (t[2:] + 4).tolist()
+    write(t[2:] + 4, 1)  # row 2 (the third item, shorter) writes where the second item's rows read before
+    lengths = (t[2:] + 5).tolist()
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(read(caches[0], lengths), read(caches[1], lengths)))
 
 
 def test_fitted_pool_hands_on_storage_of_finished_caches_only():

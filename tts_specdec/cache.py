@@ -8,7 +8,10 @@ By reference (`by_reference=True`, beam search): a slot table (rows, capacity) s
 each row reads each slot from, so `reorder` moves table entries instead of K/V (beams share their common
 prefix's storage, and a beam step copies nothing). Writes always go to the row's own storage, so this is
 exact only while no slot that another row still reads is written again: true when every row writes each
-slot once, in step (plain beam search), not for rollback or slot moves (those raise).
+slot once, in step (plain beam search), and when rows write only past the length their item had when
+its beams last shared slots (speculative beam search: a cycle's tree and accepted path lie past the item's
+length t, the slots its beams share below it). Rows dropped while rows differ in length (`crop`) are
+copied by value: the rows that move down would otherwise write where other items' rows read.
 """
 
 from __future__ import annotations
@@ -113,7 +116,10 @@ class KVCache:
         if self.table is not None:
             if index.numel() > self.k.shape[1]:
                 raise ValueError("a cache by reference cannot gain rows")
-            self.table = self.table[index]  # beams share storage; nothing is copied
+            if index.numel() < self.rows and not bool((self.lengths == self.lengths[0]).all()):
+                self._resolve(index, high)  # rows at different lengths: by value (module docstring)
+            else:
+                self.table = self.table[index]  # beams share storage; nothing is copied
         elif index.numel() == self.rows and self.k.is_contiguous() and kernels.available(self.k.device, self.k.dtype):
             kernels.reorder_rows(self.k, index, high)  # one call instead of ~8 indexing kernels
             kernels.reorder_rows(self.v, index, high)
@@ -145,17 +151,20 @@ class KVCache:
     def move_slots(self, rows: Tensor, src: Tensor, dst: Tensor) -> None:
         """Within each row, copy K/V (all layers) from slots src (rows, s) to slots dst (rows, s).
 
-        Sources are gathered before anything is written, so overlapping src and dst are safe.
+        Sources are gathered before anything is written, so overlapping src and dst are safe. By
+        reference: the K/V each row reads at src (wherever its table points) land in its own storage at
+        dst, which it reads from then on (no other row may read those slots of its storage: module
+        docstring).
         """
-        if self.table is not None:
-            raise ValueError("move_slots needs a cache by value (by_reference=False)")
-        if self.k.is_contiguous() and kernels.available(self.k.device, self.k.dtype):
-            kernels.move_slots(self.k, rows, src, dst)  # one call instead of ~10 indexing kernels
-            kernels.move_slots(self.v, rows, src, dst)
+        if self.k.is_contiguous() and self.v.is_contiguous() and kernels.available(self.k.device, self.k.dtype):
+            kernels.move_slots([self.k, self.v], rows, src, dst, self.table)  # one call, not ~10 indexing kernels
             return
         r = rows[:, None].expand_as(src)
-        self.k[:, r, :, dst] = self.k[:, r, :, src]
-        self.v[:, r, :, dst] = self.v[:, r, :, src]
+        source = r if self.table is None else self.table[r, src]  # storage row of each source slot
+        self.k[:, r, :, dst] = self.k[:, source, :, src]
+        self.v[:, r, :, dst] = self.v[:, source, :, src]
+        if self.table is not None:
+            self.table[r, dst] = r
 
     def repeat(self, n: int) -> None:
         """Each row becomes n consecutive copies of itself (one per beam)."""
@@ -180,6 +189,16 @@ class KVCache:
         self._per_layer()
 
     # ---- helpers -------------------------------------------------------------------------------
+
+    def _resolve(self, index: Tensor, high: int) -> None:
+        """By reference: rows become `index` of the old rows by value (each slot below `high` copied from
+        where its table points into the new row's own storage), and read their own storage again."""
+        n = index.numel()
+        table = self.table[index, :high]  # (n, high) storage row of each slot
+        slot = torch.arange(high, device=table.device)
+        for layer in (*self._k_layers, *self._v_layers):  # per layer: gathered before written
+            layer[:n, :, :high] = layer[table, :, slot].transpose(1, 2)
+        self.table = self._own(n, self.capacity)
 
     def _per_layer(self) -> None:
         # each layer's view, made once per buffer: indexing self.k[layer] on every write costs two

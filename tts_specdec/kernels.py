@@ -312,7 +312,7 @@ def beam_draft(
     stack: Stack, head: Head, emb: Tensor, x0: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int,
     trunk: range, temperature: float, eos: int | None, cos: Tensor, sin: Tensor, k_all: Tensor, v_all: Tensor,
     enc_keys: Tensor, enc_values: Tensor, cross_mask: Tensor | None, enc_rows: Tensor | None = None,
-    upper: range | None = None, ready: Tensor | None = None,
+    upper: range | None = None, ready: Tensor | None = None, table: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """A speculative beam cycle's draft tree in one call (csrc/layers.cpp, `spec_beam.draft` unguided):
     beam search with `head` over the layers `trunk` for `levels` levels of `width` nodes per item from the
@@ -321,13 +321,14 @@ def beam_draft(
     (R, M, M), depth (R, M), count (R,), per node row, index, parent, token, path (N, levels), and last
     the outputs (N, dim) by node of the verify pass over every node through `upper` (the layers above the
     trunk; none: the exit states). ready (R,) bool: roots the verify pass skips, leaving their K/V at slot t
-    as it is (already taken through every layer; their outputs are zero)."""
+    as it is (already taken through every layer; their outputs are zero). table (R, capacity) int64: a
+    cache by reference (`Stack.run`), the tree's slots t.. already each row's own."""
     if trunk.start != 0 or (upper is not None and upper.start != trunk.stop):
         raise ValueError("the draft's trunk starts at layer 0, the verify pass where it ends")
     return tuple(_module.beam_draft(
         stack._stack, head._head, emb, x0, t, score, items, levels, width, trunk.stop,
         trunk.stop if upper is None else upper.stop, temperature,
-        -1 if eos is None else eos, cos, sin, k_all, v_all, enc_keys, enc_values, cross_mask, enc_rows, ready))
+        -1 if eos is None else eos, cos, sin, k_all, v_all, enc_keys, enc_values, cross_mask, enc_rows, ready, table))
 
 
 def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
@@ -352,10 +353,12 @@ def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:
     _module.reorder_rows(t, index, high)
 
 
-def move_slots(t: Tensor, rows: Tensor, src: Tensor, dst: Tensor) -> None:
-    """In place: within row rows[i] of a cache buffer t (layers, rows, heads, capacity, d), every layer's
-    and head's slots src[i] are copied to slots dst[i] ((n, s) int64), all read before any is written."""
-    _module.move_slots(t, rows, src, dst)
+def move_slots(bufs: list[Tensor], rows: Tensor, src: Tensor, dst: Tensor, table: Tensor | None = None) -> None:
+    """In place: within row rows[i] of cache buffers (layers, rows, heads, capacity, d), every layer's and
+    head's slots src[i] are copied to slots dst[i] ((n, s) int64), all read before any is written. table
+    (rows', capacity) int64, a cache by reference: slot src[i, j] is read from the row the table names, and
+    the table then names row rows[i] at its slots dst[i]."""
+    _module.move_slots(bufs, rows, src, dst, table)
 
 
 def cross_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:

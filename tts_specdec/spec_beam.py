@@ -10,7 +10,8 @@ Per cycle, every active item at its own length t (its live beams' pending inputs
   replay  `beam.beam_step` on those log-probs while every live beam is a verified node; the first
           step whose new beams leave the tree is still committed (its log-probs were exact)
   commit  new beam j keeps its root's row if it is the first new beam from that root, else takes a row of
-          its item that no new beam descends from (one reorder per cycle, of those rows only); its
+          its item that no new beam descends from (one reorder per cycle, of those rows only: in a cache
+          by reference a slot table's rows, the root's prefix shared, not copied); its
           accepted path's K/V moved from their tree slots to slots t+1.., cropped to t + committed steps.
           Where its pending token is itself a verified node (the cycle ended because another beam left
           the tree), that node's K/V move too and its log-probs are kept: the next cycle's verify pass
@@ -160,7 +161,9 @@ def spec_beam_search_loop(
     guided = cond_scale > 1
     width = min(draft_width, k * dec.vocab_size)
     enc = encode_beams(dec, source, k, guided, source_mask)
-    cache = dec.new_cache(enc.rows, cache_positions(max_length, gamma, width))
+    # by reference where the backend reads slot tables: a new beam that takes another row shares its
+    # root's prefix instead of copying it (`commit`)
+    cache = dec.new_cache(enc.rows, cache_positions(max_length, gamma, width), by_reference=dec.backend.by_reference)
     together = _Together(batch, max_length) if semantics == "upstream" else None
     states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device, semantics, stop_together=False)
               for _ in range(batch)]
@@ -399,7 +402,8 @@ def commit(
     dec: Decoder, live: _Live, tree: _Tree, advances: list[_Advance], cache: KVCache, guided: bool, logprobs: Tensor,
 ) -> _Live:
     """New beam j takes a row of its item: its root's row if it is the first new beam from that root, else a
-    row no new beam descends from (the root's K/V copied there: one reorder per cycle, of those rows only);
+    row no new beam descends from (the root's K/V copied there, or by reference its slot table: one reorder
+    per cycle, of those rows only);
     then its accepted path's K/V move to slots t+1.., t+steps-1, and to t+steps its pending input's where
     that is a verified node (the row is then ready, with that node's `logprobs`)."""
     kept = [a for a, adv in enumerate(advances) if adv.parents is not None]

@@ -87,16 +87,17 @@ class CpuKernels(TorchEager):
         pass's outputs (N, dim) by node come last."""
         dec = self.dec
         head = dec._draft_head()
-        if levels < 1 or head.kernel is None or cache.table is not None or x.dtype != torch.float32:
+        if levels < 1 or head.kernel is None or x.dtype != torch.float32:
             return None
         m = 1 + levels * width
         top = int(t.max())
         dec._rope_to(top + levels + 1, cache)
+        cache.claim(t, m)  # by reference: every row's tree in its own storage
         k_all, v_all = cache.buffers(top + m)
         trunk, upper = range(dec.exit_layer), range(dec.exit_layer, dec.depth)
         out = kernels.beam_draft(self.stack, head.kernel, self._embedding, x[:, 0].contiguous(), t, score.float(), items,
                                  levels, width, trunk, temperature, eos, *dec._rope, k_all, v_all, enc.keys, enc.values,
-                                 enc.cross_mask, enc.source, upper, ready)
+                                 enc.cross_mask, enc.source, upper, ready, cache.table)
         skipped = 0 if ready is None else int(ready.sum())
         for i in range(dec.depth):  # every node once in every layer, but ready roots above the trunk
             dec.layer_evals[i] += out[4].numel() - (skipped if i >= dec.exit_layer else 0)

@@ -446,14 +446,15 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
 // same tree mask; returns their outputs (N, dim) in node order as a last tensor (upper == last: the exit
 // states themselves). ready (R,) bool or none: roots whose token the last cycle's verify pass already
 // took through every layer (their K/V moved to slot t[r], `spec_beam.commit`): the verify pass skips
-// them and leaves their slot alone (their outputs: zero; the caller holds their log-probs).
+// them and leaves their slot alone (their outputs: zero; the caller holds their log-probs). table (R,
+// capacity) int64 or none: a cache by reference (`Stack::run`), every tree slot t[r].. already row r's own.
 std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                       const torch::Tensor& t, const torch::Tensor& score, int64_t items, int64_t levels,
                                       int64_t width, int64_t last, int64_t upper, double temperature, int64_t eos, const torch::Tensor& cos,
                                       const torch::Tensor& sin, const torch::Tensor& k_all, const torch::Tensor& v_all,
                                       const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
                                       const c10::optional<torch::Tensor>& cross_mask, const c10::optional<torch::Tensor>& enc_rows,
-                                      const c10::optional<torch::Tensor>& ready) {
+                                      const c10::optional<torch::Tensor>& ready, const c10::optional<torch::Tensor>& table) {
   TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat && x0.is_contiguous(), "x0: contiguous float32 (R, dim)");
   const int64_t R = x0.size(0), dim = x0.size(1);
   TORCH_CHECK(items > 0 && R % items == 0, "items: a divisor of the rows");
@@ -484,7 +485,7 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   const c10::optional<torch::Tensor> none;
   // the roots: one per row at slot t (causal by slot is their tree mask)
   auto slots0 = t.view({R, 1});
-  auto h = stack.run(x0, 0, last, cos, sin, slots0, slots0, k_all, v_all, none, none, *std::max_element(tp, tp + R) + 1,
+  auto h = stack.run(x0, 0, last, cos, sin, slots0, slots0, k_all, v_all, table, none, *std::max_element(tp, tp + R) + 1,
                      enc_keys, enc_values, cross_mask, enc_rows, none);
   for (int64_t r = 0; r < R; ++r) std::copy(h.data_ptr<float>() + r * dim, h.data_ptr<float>() + (r + 1) * dim, hs.data_ptr<float>() + r * M * dim);
   // the tree mask (R, c, keys) of queries at indexes first[r] + j of each row r: slots < t[r] and t[r] + i
@@ -590,7 +591,7 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
     }
     std::sort(real_v.begin(), real_v.end());
     auto real = torch::tensor(real_v, lopt);
-    h = stack.run(x, 0, last, cos, sin, pos, slots, k_all, v_all, none, tree_mask(first, c, keys), keys, enc_keys, enc_values,
+    h = stack.run(x, 0, last, cos, sin, pos, slots, k_all, v_all, table, tree_mask(first, c, keys), keys, enc_keys, enc_values,
                   cross_mask, enc_rows, real);
     // the next level's exit states in node order, and each node's in hs
     auto hn = torch::empty({nn, dim}, x0.options());
@@ -626,7 +627,7 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
         if (j < count[r] && !skipped) real_v.push_back(r * m + j);
       }
     const int64_t keys = *std::max_element(tp, tp + R) + m;
-    by_row = stack.run(x, last, upper, cos, sin, pos, slots, k_all, v_all, none, tree_mask(std::vector<int64_t>(R, 0), m, keys),
+    by_row = stack.run(x, last, upper, cos, sin, pos, slots, k_all, v_all, table, tree_mask(std::vector<int64_t>(R, 0), m, keys),
                        keys, enc_keys, enc_values, cross_mask, enc_rows, torch::tensor(real_v, lopt));
     stride = m;
   }
@@ -693,39 +694,62 @@ void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
   });
 }
 
-// In place, within each given row of t (layers, rows, heads, capacity, d): slots src[i, j] are copied to
-// slots dst[i, j] of row rows[i], every layer and head; all sources are read before any slot is written
-// (overlapping src and dst are safe). A speculative beam cycle's accepted path: a few slots of a few rows,
-// where torch's indexing took ~0.3 ms of small kernels.
-void move_slots(torch::Tensor t, const torch::Tensor& rows, const torch::Tensor& src, const torch::Tensor& dst) {
-  TORCH_CHECK(t.dim() == 5 && t.is_contiguous() && t.scalar_type() == at::kFloat && t.device().is_cpu(),
-              "t: contiguous float32 CPU (layers, rows, heads, capacity, d)");
+// In place, within each given row of the cache buffers (K and V: layers, rows, heads, capacity, d, all of
+// one shape): slots src[i, j] are copied to slots dst[i, j] of row rows[i], every layer and head; all
+// sources are read before any slot is written (overlapping src and dst are safe). table (rows', capacity)
+// int64 or none, a cache by reference: source slot [i, j] is read from row table[rows[i], src[i, j]], and
+// then table[rows[i], dst[i, j]] = rows[i] (the row reads its own storage there). A speculative beam
+// cycle's accepted path: a few slots of a few rows, where torch's indexing took ~0.3 ms of small kernels.
+void move_slots(const std::vector<torch::Tensor>& bufs, const torch::Tensor& rows, const torch::Tensor& src,
+                const torch::Tensor& dst, const c10::optional<torch::Tensor>& table) {
+  TORCH_CHECK(!bufs.empty(), "bufs: the cache's buffers");
+  for (const auto& t : bufs)
+    TORCH_CHECK(t.dim() == 5 && t.is_contiguous() && t.scalar_type() == at::kFloat && t.device().is_cpu() &&
+                t.sizes() == bufs[0].sizes(), "bufs: contiguous float32 CPU (layers, rows, heads, capacity, d), one shape");
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows: int64 (n,)");
   TORCH_CHECK(src.dim() == 2 && src.sizes() == dst.sizes() && src.size(0) == rows.size(0) && src.scalar_type() == at::kLong &&
               dst.scalar_type() == at::kLong, "src, dst: int64 (n, s), one row each per entry of rows");
-  const int64_t layers = t.size(0), n_rows = t.size(1), heads = t.size(2), cap = t.size(3), d = t.size(4);
+  const auto& t0 = bufs[0];
+  const int64_t layers = t0.size(0), n_rows = t0.size(1), heads = t0.size(2), cap = t0.size(3), d = t0.size(4);
   const auto r = rows.contiguous(), sc = src.contiguous(), dc = dst.contiguous();
   const int64_t *rp = r.data_ptr<int64_t>(), *sp = sc.data_ptr<int64_t>(), *dp = dc.data_ptr<int64_t>();
   const int64_t n = rows.size(0), s = src.size(1);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(0 <= rp[i] && rp[i] < n_rows, "rows: out of range");
-    for (int64_t j = 0; j < s; ++j)
-      TORCH_CHECK(0 <= sp[i * s + j] && sp[i * s + j] < cap && 0 <= dp[i * s + j] && dp[i * s + j] < cap, "slot out of range");
+  int64_t* tab = nullptr;
+  int64_t tab_row = 0;
+  if (table) {
+    TORCH_CHECK(table->dim() == 2 && table->size(1) == cap && table->stride(1) == 1 && table->scalar_type() == at::kLong,
+                "table: int64 (rows, capacity), contiguous slots");
+    tab = table->data_ptr<int64_t>();
+    tab_row = table->stride(0);
   }
-  float* base = t.data_ptr<float>();
+  std::vector<int64_t> from(n * s);  // the row each source slot is read from
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(0 <= rp[i] && rp[i] < (table ? table->size(0) : n_rows), "rows: out of range");
+    for (int64_t j = 0; j < s; ++j) {
+      TORCH_CHECK(0 <= sp[i * s + j] && sp[i * s + j] < cap && 0 <= dp[i * s + j] && dp[i * s + j] < cap, "slot out of range");
+      from[i * s + j] = tab ? tab[rp[i] * tab_row + sp[i * s + j]] : rp[i];
+      TORCH_CHECK(0 <= from[i * s + j] && from[i * s + j] < n_rows, "table: row out of range");
+    }
+  }
   const int64_t row_stride = heads * cap * d;
   std::vector<float> tmp(n * s * heads * d);
-  for (int64_t l = 0; l < layers; ++l) {
-    float* layer = base + l * n_rows * row_stride;
-    for (int64_t pass = 0; pass < 2; ++pass)  // 0: gather every source, 1: write every destination
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t j = 0; j < s; ++j)
-          for (int64_t h = 0; h < heads; ++h) {
-            float* slot = layer + rp[i] * row_stride + h * cap * d + (pass ? dp : sp)[i * s + j] * d;
-            float* kept = tmp.data() + ((i * s + j) * heads + h) * d;
-            if (pass) std::copy(kept, kept + d, slot); else std::copy(slot, slot + d, kept);
-          }
+  for (const auto& t : bufs) {
+    float* base = t.data_ptr<float>();
+    for (int64_t l = 0; l < layers; ++l) {
+      float* layer = base + l * n_rows * row_stride;
+      for (int64_t pass = 0; pass < 2; ++pass)  // 0: gather every source, 1: write every destination
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < s; ++j)
+            for (int64_t h = 0; h < heads; ++h) {
+              const int64_t row = pass ? rp[i] : from[i * s + j];
+              float* slot = layer + row * row_stride + h * cap * d + (pass ? dp : sp)[i * s + j] * d;
+              float* kept = tmp.data() + ((i * s + j) * heads + h) * d;
+              if (pass) std::copy(kept, kept + d, slot); else std::copy(slot, slot + d, kept);
+            }
+    }
   }
+  for (int64_t i = 0; tab && i < n; ++i)
+    for (int64_t j = 0; j < s; ++j) tab[rp[i] * tab_row + dp[i * s + j]] = rp[i];
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -742,7 +766,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("speculative_accept", &speculative_accept, "Leviathan et al.'s accept rule for one cycle of every row");
   m.def("fingerprint", &fingerprint, "two 64-bit sums of each tensor's bytes (None unless all on the CPU)");
   m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
-  m.def("move_slots", &move_slots, "in place: slots src of given cache rows copied to slots dst (every layer, head)");
+  m.def("move_slots", &move_slots, "in place: slots src of given cache rows (where a slot table points) copied to slots dst (every buffer, layer, head)");
   py::class_<Stack>(m, "Stack")
       .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t>())
       .def("run", &Stack::run, "decoder layers [first, last) on a few tokens: products and attention in one call");
