@@ -28,7 +28,7 @@ def test_beam_step_sends_top_ranked_eos_to_finished_and_fills_live_beams():
     s0, s1 = math.log(0.5), math.log(0.3)
     out = beam_step(state, lp)
     finished = sorted(state.finished[0], reverse=True)
-    assert len(finished) == 1 and finished[0][2] == [1, 3]
+    assert len(finished) == 1 and finished[0][2].tolist() == [1, 3]
     assert finished[0][0] == pytest.approx((s1 + math.log(0.97)) / 2)  # sum / len**1, len incl. EOS
     assert state.tokens.tolist() == [[0, 2], [0, 0]]
     assert state.scores[0].tolist() == pytest.approx([s0 + math.log(0.5), s0 + math.log(0.06)])
@@ -42,7 +42,7 @@ def test_beam_step_eos_at_rank_k_minus_one_is_finished():
     beam_step(state, torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.25] * 4]).log())
     # candidates best first: beam 0 + 2 (.25), beam 0 + EOS (.15, rank 1 = K-1), beam 1 + 0 (.12)
     out = beam_step(state, torch.tensor([[0.1, 0.1, 0.5, 0.3], [0.4, 0.2, 0.2, 0.2]]).log())
-    assert [f[2] for f in state.finished[0]] == [[0, 3]]
+    assert [f[2].tolist() for f in state.finished[0]] == [[0, 3]]
     assert state.finished[0][0][0] == pytest.approx(math.log(0.5 * 0.3) / 2)
     assert out.parents.tolist() == [0, 1] and out.tokens.tolist() == [2, 0]
     assert state.tokens.tolist() == [[0, 2], [1, 0]]

@@ -45,19 +45,15 @@ class BeamState:
     length_penalty: float
     eos_id: int | None
     items: list[int]  # original item index of each active item, in row order
-    # (active * K) tokens of each live beam, on the host: a step reads its new beams back anyway, and a
-    # list per beam costs less than the two tensor ops (gather, concatenate) a step took per beam set
-    history: list[list[int]]
+    tokens: Tensor  # (active * K, t) tokens of the live beams
     scores: Tensor  # (active, K) summed log-probs of the live beams
-    device: torch.device  # where results are returned
     # per original item: min-heap of (score, tie, tokens incl. EOS), at most K entries
-    finished: list[list[tuple[float, int, list[int]]]] = field(default_factory=list)
+    finished: list[list[tuple[float, int, Tensor]]] = field(default_factory=list)
     semantics: BeamSemantics = "standard"
     # upstream: (active * K,) the live beam holds an EOS; the items stop together when all of theirs do,
     # unless `stop_together` is False (the caller then ends them: `spec_beam` runs items one by one)
     ended: Tensor | None = None
     stop_together: bool = True
-    length: int = 0  # tokens generated so far (every live beam's)
     _tie: int = 0
     _all_ended: bool | None = None  # upstream: `ended.all()` after the last step, read with its check
 
@@ -73,9 +69,8 @@ class BeamState:
             length_penalty,
             eos_id,
             list(range(batch)),
-            [[] for _ in range(batch * beam_size)],
+            torch.zeros(batch * beam_size, 0, dtype=torch.long, device=device),
             scores,
-            torch.device(device),
             [[] for _ in range(batch)],
             semantics,
             torch.zeros(batch * beam_size, dtype=torch.bool, device=device) if semantics == "upstream" else None,
@@ -83,18 +78,14 @@ class BeamState:
         )
 
     @property
-    def tokens(self) -> Tensor:
-        """(active * K, length) the live beams' tokens."""
-        return self._tensor(self.history).view(len(self.history), self.length)
-
-    def _tensor(self, tokens: list) -> Tensor:
-        return torch.tensor(tokens, dtype=torch.long, device=self.device)
+    def length(self) -> int:
+        return self.tokens.shape[1]
 
     @property
     def active(self) -> int:
         return len(self.items)
 
-    def _add_finished(self, item: int, score: float, tokens: list[int]) -> None:
+    def _add_finished(self, item: int, score: float, tokens: Tensor) -> None:
         heap = self.finished[item]
         self._tie += 1
         entry = (score, -self._tie, tokens)  # on equal scores the earlier hypothesis ranks higher
@@ -105,7 +96,7 @@ class BeamState:
 
     def best(self, item: int) -> tuple[Tensor, float]:
         score, _, tokens = max(self.finished[item])
-        return self._tensor(tokens), score
+        return tokens, score
 
     def all_ended(self) -> bool:
         """upstream: every live beam of every active item holds an EOS (then they all do from now on:
@@ -117,13 +108,12 @@ class BeamState:
     def first_beam(self, i: int) -> tuple[Tensor, float]:
         """upstream: active item i's result if the search stopped now: its first beam, cut after its
         first EOS, and that beam's summed log-prob."""
-        return self._tensor(self._first_tokens(i)), float(self.scores[i, 0])
-
-    def _first_tokens(self, i: int) -> list[int]:
-        tokens = self.history[i * self.beam_size]
-        if self.eos_id is not None and self.eos_id in tokens:
-            tokens = tokens[: tokens.index(self.eos_id) + 1]
-        return tokens
+        tokens = self.tokens[i * self.beam_size]
+        if self.eos_id is not None:
+            eos = (tokens == self.eos_id).nonzero()
+            if eos.numel():
+                tokens = tokens[: int(eos[0]) + 1]
+        return tokens, float(self.scores[i, 0])
 
 
 @dataclass
@@ -149,7 +139,7 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     top_scores, top_index = cand.topk(min(2 * k, k * vocab), dim=1)
     new_len = state.length + 1
     norm = new_len**state.length_penalty
-    device = state.device
+    device = state.tokens.device
     # the ranked candidates as Python numbers (`_read`: one read-back where that waits for the device): a
     # few dozen values, cheaper to test here than with tensor ops
     read = _read(top_scores, top_index)
@@ -173,14 +163,14 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
             best_index = top_index[:, :k]
             parents = torch.arange(a, device=device)[:, None] * k + torch.div(best_index, vocab, rounding_mode="floor")
             tokens = best_index % vocab
-        else:  # on the CPU one tensor from the lists costs less than the five ops above
-            parents, tokens = torch.tensor(host[0] + host[1], device=device).view(2, a, k)
+        else:  # on the CPU two tensors from the lists cost less than the five ops above
+            parents = torch.tensor(host[0], device=device).view(a, k)
+            tokens = torch.tensor(host[1], device=device).view(a, k)
         scores = top_scores[:, :k].to(torch.float64)  # the float32 values of `best`, exactly
     else:
         parents, tokens, scores, host = _walk(state, *read, vocab, norm)
     best_live = host[2][::k]  # beams are in score order
-    state.history = [state.history[p] + [tk] for p, tk in zip(host[0], host[1])]
-    state.length += 1
+    state.tokens = torch.cat((state.tokens[parents.flatten()], tokens.flatten()[:, None]), dim=1)
     state.scores = scores
 
     if last:
@@ -188,7 +178,7 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
             for j in range(k):
                 score = host[2][i * k + j]  # = scores[i, j], on the host
                 if score > -math.inf:
-                    state._add_finished(state.items[i], score / norm, state.history[i * k + j])
+                    state._add_finished(state.items[i], score / norm, state.tokens[i * k + j])
         keep = []
     else:
         keep = [i for i in range(a) if not _is_done(state, i, best_live[i], norm)]
@@ -197,9 +187,9 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     kept = torch.tensor(keep, dtype=torch.long, device=device)
     rows = item_rows(kept, k)
     state.items = [state.items[i] for i in keep]
-    host_rows = [i * k + j for i in keep for j in range(k)]
-    state.history = [state.history[r] for r in host_rows]
+    state.tokens = state.tokens[rows]
     state.scores = state.scores[kept]
+    host_rows = [i * k + j for i in keep for j in range(k)]
     return StepOutput(parents.flatten()[rows], tokens.flatten()[rows], kept,
                       tuple([h[r] for r in host_rows] for h in host))
 
@@ -222,7 +212,7 @@ def _read(top_scores: Tensor, top_index: Tensor) -> tuple[list[list[float]], lis
 
 def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput:
     """One step of spear-tts's beam search (module docstring) for every active item."""
-    k, a, device = state.beam_size, state.active, state.device
+    k, a, device = state.beam_size, state.active, state.tokens.device
     top, top_tokens = logprobs.topk(k, dim=-1)  # (a * K, K): spear-tts's per-beam candidates, best first
     beams = 1 if state.length == 0 else k  # spear-tts starts from one beam, then keeps K
     top, top_tokens = top.view(a, k, k)[:, :beams], top_tokens.view(a, k, k)[:, :beams]
@@ -237,6 +227,7 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
     parents = (beam + torch.arange(a, device=device)[:, None] * k).flatten()
     tokens = top_tokens.flatten(1).gather(1, order).flatten()
     state.scores = cand.gather(1, order).to(torch.float64)
+    state.tokens = torch.cat((state.tokens[parents], tokens[:, None]), dim=1)
     state.ended = state.ended[parents]
     if state.eos_id is not None:
         state.ended |= tokens == state.eos_id
@@ -250,14 +241,13 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
     n = a * k
     host = ([int(v) for v in read[a + 1 : a + 1 + n]], [int(v) for v in read[a + 1 + n : a + 1 + 2 * n]],
             read[a + 1 + 2 * n :])
-    state.history = [state.history[p] + [tk] for p, tk in zip(host[0], host[1])]
-    state.length += 1
     kept = torch.arange(a, device=device)
     if last or (state.stop_together and state.all_ended()):
         for i in range(a):
-            state._add_finished(state.items[i], float(state.scores[i, 0]), state._first_tokens(i))
+            tokens_i, score = state.first_beam(i)
+            state._add_finished(state.items[i], score, tokens_i)
         state.items, kept = [], kept[:0]
-        state.history, state.scores, state.ended = [], state.scores[:0], state.ended[:0]
+        state.tokens, state.scores, state.ended = state.tokens[:0], state.scores[:0], state.ended[:0]
         return StepOutput(parents[:0], tokens[:0], kept, ([], [], []))
     return StepOutput(parents, tokens, kept, host)
 
@@ -276,7 +266,7 @@ def _walk(
     """The 2K best candidates per item, best first: an EOS among the first K ranks finishes a
     hypothesis, the others fill the K live beams. Returns (parents, tokens, scores), each (active, K),
     and the same flattened on the host."""
-    k, a, device = state.beam_size, state.active, state.device
+    k, a, device = state.beam_size, state.active, state.tokens.device
     parents = torch.zeros(a, k, dtype=torch.long)
     tokens = torch.zeros(a, k, dtype=torch.long)
     scores = torch.full((a, k), -math.inf, dtype=torch.float64)
@@ -289,7 +279,8 @@ def _walk(
             row = i * k + beam
             if token == state.eos_id:
                 if rank < k:
-                    state._add_finished(item, score / norm, state.history[row] + [token])
+                    eos = torch.tensor([token], device=device)
+                    state._add_finished(item, score / norm, torch.cat((state.tokens[row], eos)))
                 continue
             parents[i, filled], tokens[i, filled], scores[i, filled] = row, token, score
             filled += 1
