@@ -724,7 +724,7 @@ void move_slots(const std::vector<torch::Tensor>& bufs, const torch::Tensor& row
   }
   std::vector<int64_t> from(n * s);  // the row each source slot is read from
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(0 <= rp[i] && rp[i] < (table ? table->size(0) : n_rows), "rows: out of range");
+    TORCH_CHECK(0 <= rp[i] && rp[i] < n_rows && (!table || rp[i] < table->size(0)), "rows: out of range");
     for (int64_t j = 0; j < s; ++j) {
       TORCH_CHECK(0 <= sp[i * s + j] && sp[i * s + j] < cap && 0 <= dp[i * s + j] && dp[i * s + j] < cap, "slot out of range");
       from[i * s + j] = tab ? tab[rp[i] * tab_row + sp[i * s + j]] : rp[i];
