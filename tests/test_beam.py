@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tts_specdec import SpeculativeDecoder, kernels
-from tts_specdec.beam import BeamState, beam_step
+from tts_specdec.beam import BeamState, beam_step, on_device
 
 from conftest import forward_logits, make_model, make_source, sequence_table, upstream_generate
 
@@ -28,7 +28,7 @@ def test_beam_step_sends_top_ranked_eos_to_finished_and_fills_live_beams():
     s0, s1 = math.log(0.5), math.log(0.3)
     out = beam_step(state, lp)
     finished = sorted(state.finished[0], reverse=True)
-    assert len(finished) == 1 and finished[0][2].tolist() == [1, 3]
+    assert len(finished) == 1 and finished[0][2] == [1, 3]
     assert finished[0][0] == pytest.approx((s1 + math.log(0.97)) / 2)  # sum / len**1, len incl. EOS
     assert state.tokens.tolist() == [[0, 2], [0, 0]]
     assert state.scores[0].tolist() == pytest.approx([s0 + math.log(0.5), s0 + math.log(0.06)])
@@ -42,7 +42,7 @@ def test_beam_step_eos_at_rank_k_minus_one_is_finished():
     beam_step(state, torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.25] * 4]).log())
     # candidates best first: beam 0 + 2 (.25), beam 0 + EOS (.15, rank 1 = K-1), beam 1 + 0 (.12)
     out = beam_step(state, torch.tensor([[0.1, 0.1, 0.5, 0.3], [0.4, 0.2, 0.2, 0.2]]).log())
-    assert [f[2].tolist() for f in state.finished[0]] == [[0, 3]]
+    assert [f[2] for f in state.finished[0]] == [[0, 3]]
     assert state.finished[0][0][0] == pytest.approx(math.log(0.5 * 0.3) / 2)
     assert out.parents.tolist() == [0, 1] and out.tokens.tolist() == [2, 0]
     assert state.tokens.tolist() == [[0, 2], [1, 0]]
@@ -54,7 +54,7 @@ def test_beam_step_last_finalises_live_beams():
     out = beam_step(state, torch.tensor([[0.9, 0.1], [0.2, 0.8]]).log(), last=True)
     assert state.active == 0 and out.kept.numel() == 0
     tokens, score = state.best(0)
-    assert tokens.tolist() == [0, 0] and score == pytest.approx(math.log(0.6 * 0.9))
+    assert tokens == [0, 0] and score == pytest.approx(math.log(0.6 * 0.9))
     assert len(state.finished[0]) == 2
 
 
@@ -234,7 +234,7 @@ def test_upstream_step_ranks_each_beams_top_k_and_keeps_expanding_after_eos():
     beam_step(state, steps[1])
     assert state.active == 0  # every beam holds an EOS: the search stopped
     tokens, score = state.best(0)
-    assert tokens.tolist() == [3] and score == pytest.approx(math.log(0.6 * 0.5))  # cut after the EOS
+    assert tokens == [3] and score == pytest.approx(math.log(0.6 * 0.5))  # cut after the EOS
 
 
 def test_upstream_step_ties_follow_torch_sort_of_beam_major_candidates():
@@ -257,7 +257,7 @@ def test_upstream_items_stop_together():
     assert state.active == 2 and state.ended.tolist() == [True, False]
     beam_step(state, torch.tensor([[0.1, 0.1, 0.8], [0.1, 0.1, 0.8]]).log())
     assert state.active == 0
-    assert state.best(0)[0].tolist() == [2] and state.best(1)[0].tolist() == [0, 2]
+    assert state.best(0)[0] == [2] and state.best(1)[0] == [0, 2]
     alone = upstream_state(2, 1, eos, stop_together=False)  # the caller decides (speculative beam search)
     beam_step(alone, torch.tensor([[0.1, 0.1, 0.8], [0.1, 0.1, 0.8]]).log())
     beam_step(alone, torch.tensor([[0.1, 0.1, 0.8], [0.1, 0.1, 0.8]]).log())
@@ -282,3 +282,10 @@ def test_upstream_semantics_equals_spear_tts(cond_scale, temperature, layout):
         ended = (row == eos).nonzero()
         expected = row[: int(ended[0])] if ended.numel() else row
         assert tokens.tolist() == expected.tolist()
+
+
+def test_on_device_sends_every_item_in_one_tensor():
+    """Results of items of different lengths (one empty) come back split, in order, with their scores."""
+    tokens, scores = on_device([([1, 2], -1.0), ([], -2.0), ([3], -0.5)], torch.device("cpu"))
+    assert [t.tolist() for t in tokens] == [[1, 2], [], [3]] and scores == [-1.0, -2.0, -0.5]
+    assert all(t.dtype == torch.long for t in tokens)

@@ -45,15 +45,19 @@ class BeamState:
     length_penalty: float
     eos_id: int | None
     items: list[int]  # original item index of each active item, in row order
-    tokens: Tensor  # (active * K, t) tokens of the live beams
+    # (active * K) tokens of each live beam, on the host: a step reads its new beams back anyway, and a
+    # list per beam costs less than the two tensor ops (gather, concatenate) a step took per beam set
+    history: list[list[int]]
     scores: Tensor  # (active, K) summed log-probs of the live beams
+    device: torch.device  # where results are returned
     # per original item: min-heap of (score, tie, tokens incl. EOS), at most K entries
-    finished: list[list[tuple[float, int, Tensor]]] = field(default_factory=list)
+    finished: list[list[tuple[float, int, list[int]]]] = field(default_factory=list)
     semantics: BeamSemantics = "standard"
     # upstream: (active * K,) the live beam holds an EOS; the items stop together when all of theirs do,
     # unless `stop_together` is False (the caller then ends them: `spec_beam` runs items one by one)
     ended: Tensor | None = None
     stop_together: bool = True
+    length: int = 0  # tokens generated so far (every live beam's)
     _tie: int = 0
     _all_ended: bool | None = None  # upstream: `ended.all()` after the last step, read with its check
 
@@ -69,8 +73,9 @@ class BeamState:
             length_penalty,
             eos_id,
             list(range(batch)),
-            torch.zeros(batch * beam_size, 0, dtype=torch.long, device=device),
+            [[] for _ in range(batch * beam_size)],
             scores,
+            torch.device(device),
             [[] for _ in range(batch)],
             semantics,
             torch.zeros(batch * beam_size, dtype=torch.bool, device=device) if semantics == "upstream" else None,
@@ -78,14 +83,15 @@ class BeamState:
         )
 
     @property
-    def length(self) -> int:
-        return self.tokens.shape[1]
+    def tokens(self) -> Tensor:
+        """(active * K, length) the live beams' tokens."""
+        return torch.tensor(self.history, dtype=torch.long, device=self.device).view(len(self.history), self.length)
 
     @property
     def active(self) -> int:
         return len(self.items)
 
-    def _add_finished(self, item: int, score: float, tokens: Tensor) -> None:
+    def _add_finished(self, item: int, score: float, tokens: list[int]) -> None:
         heap = self.finished[item]
         self._tie += 1
         entry = (score, -self._tie, tokens)  # on equal scores the earlier hypothesis ranks higher
@@ -94,7 +100,8 @@ class BeamState:
         elif entry > heap[0]:
             heapq.heapreplace(heap, entry)
 
-    def best(self, item: int) -> tuple[Tensor, float]:
+    def best(self, item: int) -> tuple[list[int], float]:
+        """Item's best finished hypothesis (tokens on the host; `on_device` sends results together)."""
         score, _, tokens = max(self.finished[item])
         return tokens, score
 
@@ -105,15 +112,21 @@ class BeamState:
             self._all_ended = bool(self.ended.all())
         return self._all_ended
 
-    def first_beam(self, i: int) -> tuple[Tensor, float]:
+    def first_beam(self, i: int) -> tuple[list[int], float]:
         """upstream: active item i's result if the search stopped now: its first beam, cut after its
         first EOS, and that beam's summed log-prob."""
-        tokens = self.tokens[i * self.beam_size]
-        if self.eos_id is not None:
-            eos = (tokens == self.eos_id).nonzero()
-            if eos.numel():
-                tokens = tokens[: int(eos[0]) + 1]
+        tokens = self.history[i * self.beam_size]
+        if self.eos_id is not None and self.eos_id in tokens:
+            tokens = tokens[: tokens.index(self.eos_id) + 1]
         return tokens, float(self.scores[i, 0])
+
+
+def on_device(results: list[tuple[list[int], float]], device: torch.device) -> tuple[list[Tensor], list[float]]:
+    """Each item's (tokens, score) with its tokens on `device`: one send for all items, since on a GPU
+    every send waits for the device's queue."""
+    lengths = [len(tokens) for tokens, _ in results]
+    flat = torch.tensor([t for tokens, _ in results for t in tokens], dtype=torch.long, device=device)
+    return list(flat.split(lengths)), [score for _, score in results]
 
 
 @dataclass
@@ -139,7 +152,7 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     top_scores, top_index = cand.topk(min(2 * k, k * vocab), dim=1)
     new_len = state.length + 1
     norm = new_len**state.length_penalty
-    device = state.tokens.device
+    device = state.device
     # the ranked candidates as Python numbers (`_read`: one read-back where that waits for the device): a
     # few dozen values, cheaper to test here than with tensor ops
     read = _read(top_scores, top_index)
@@ -163,14 +176,14 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
             best_index = top_index[:, :k]
             parents = torch.arange(a, device=device)[:, None] * k + torch.div(best_index, vocab, rounding_mode="floor")
             tokens = best_index % vocab
-        else:  # on the CPU two tensors from the lists cost less than the five ops above
-            parents = torch.tensor(host[0], device=device).view(a, k)
-            tokens = torch.tensor(host[1], device=device).view(a, k)
+        else:  # on the CPU one tensor from the lists costs less than the five ops above
+            parents, tokens = torch.tensor(host[0] + host[1], device=device).view(2, a, k)
         scores = top_scores[:, :k].to(torch.float64)  # the float32 values of `best`, exactly
     else:
         parents, tokens, scores, host = _walk(state, *read, vocab, norm)
     best_live = host[2][::k]  # beams are in score order
-    state.tokens = torch.cat((state.tokens[parents.flatten()], tokens.flatten()[:, None]), dim=1)
+    state.history = [state.history[p] + [tk] for p, tk in zip(host[0], host[1])]
+    state.length += 1
     state.scores = scores
 
     if last:
@@ -178,7 +191,7 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
             for j in range(k):
                 score = host[2][i * k + j]  # = scores[i, j], on the host
                 if score > -math.inf:
-                    state._add_finished(state.items[i], score / norm, state.tokens[i * k + j])
+                    state._add_finished(state.items[i], score / norm, state.history[i * k + j])
         keep = []
     else:
         keep = [i for i in range(a) if not _is_done(state, i, best_live[i], norm)]
@@ -187,9 +200,9 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     kept = torch.tensor(keep, dtype=torch.long, device=device)
     rows = item_rows(kept, k)
     state.items = [state.items[i] for i in keep]
-    state.tokens = state.tokens[rows]
-    state.scores = state.scores[kept]
     host_rows = [i * k + j for i in keep for j in range(k)]
+    state.history = [state.history[r] for r in host_rows]
+    state.scores = state.scores[kept]
     return StepOutput(parents.flatten()[rows], tokens.flatten()[rows], kept,
                       tuple([h[r] for r in host_rows] for h in host))
 
@@ -212,7 +225,7 @@ def _read(top_scores: Tensor, top_index: Tensor) -> tuple[list[list[float]], lis
 
 def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput:
     """One step of spear-tts's beam search (module docstring) for every active item."""
-    k, a, device = state.beam_size, state.active, state.tokens.device
+    k, a, device = state.beam_size, state.active, state.device
     top, top_tokens = logprobs.topk(k, dim=-1)  # (a * K, K): spear-tts's per-beam candidates, best first
     beams = 1 if state.length == 0 else k  # spear-tts starts from one beam, then keeps K
     top, top_tokens = top.view(a, k, k)[:, :beams], top_tokens.view(a, k, k)[:, :beams]
@@ -227,7 +240,6 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
     parents = (beam + torch.arange(a, device=device)[:, None] * k).flatten()
     tokens = top_tokens.flatten(1).gather(1, order).flatten()
     state.scores = cand.gather(1, order).to(torch.float64)
-    state.tokens = torch.cat((state.tokens[parents], tokens[:, None]), dim=1)
     state.ended = state.ended[parents]
     if state.eos_id is not None:
         state.ended |= tokens == state.eos_id
@@ -241,13 +253,15 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
     n = a * k
     host = ([int(v) for v in read[a + 1 : a + 1 + n]], [int(v) for v in read[a + 1 + n : a + 1 + 2 * n]],
             read[a + 1 + 2 * n :])
+    state.history = [state.history[p] + [tk] for p, tk in zip(host[0], host[1])]
+    state.length += 1
     kept = torch.arange(a, device=device)
     if last or (state.stop_together and state.all_ended()):
         for i in range(a):
             tokens_i, score = state.first_beam(i)
             state._add_finished(state.items[i], score, tokens_i)
         state.items, kept = [], kept[:0]
-        state.tokens, state.scores, state.ended = state.tokens[:0], state.scores[:0], state.ended[:0]
+        state.history, state.scores, state.ended = [], state.scores[:0], state.ended[:0]
         return StepOutput(parents[:0], tokens[:0], kept, ([], [], []))
     return StepOutput(parents, tokens, kept, host)
 
@@ -266,7 +280,7 @@ def _walk(
     """The 2K best candidates per item, best first: an EOS among the first K ranks finishes a
     hypothesis, the others fill the K live beams. Returns (parents, tokens, scores), each (active, K),
     and the same flattened on the host."""
-    k, a, device = state.beam_size, state.active, state.tokens.device
+    k, a, device = state.beam_size, state.active, state.device
     parents = torch.zeros(a, k, dtype=torch.long)
     tokens = torch.zeros(a, k, dtype=torch.long)
     scores = torch.full((a, k), -math.inf, dtype=torch.float64)
@@ -279,8 +293,7 @@ def _walk(
             row = i * k + beam
             if token == state.eos_id:
                 if rank < k:
-                    eos = torch.tensor([token], device=device)
-                    state._add_finished(item, score / norm, torch.cat((state.tokens[row], eos)))
+                    state._add_finished(item, score / norm, state.history[row] + [token])
                 continue
             parents[i, filled], tokens[i, filled], scores[i, filled] = row, token, score
             filled += 1
@@ -345,8 +358,7 @@ def beam_search_loop(
         if rows.numel() != enc.rows:
             enc = enc.select(dec.rows(item_rows(out.kept, k), guided))
         x = dec.embed(out.tokens[:, None], guided)
-    best = [state.best(i) for i in range(batch)]
-    return [t for t, _ in best], [s for _, s in best], steps
+    return (*on_device([state.best(i) for i in range(batch)], state.device), steps)
 
 
 def step_logprobs(logits: Tensor, cond_scale: float, temperature: float = 1.0) -> Tensor:

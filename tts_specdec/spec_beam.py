@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .beam import BeamSemantics, BeamState, beam_step, encode_beams, item_rows, step_logprobs
+from .beam import BeamSemantics, BeamState, beam_step, encode_beams, item_rows, on_device, step_logprobs
 from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .finite import NonFiniteLogits
@@ -101,7 +101,7 @@ class _Together:
     items: int
     max_length: int
     ended_at: dict[int, int] = field(default_factory=dict)  # item -> length its beams all ended at
-    first: dict[int, dict[int, tuple[Tensor, float]]] = field(default_factory=dict)  # item -> length -> result
+    first: dict[int, dict[int, tuple[list[int], float]]] = field(default_factory=dict)  # item -> length -> result
 
     @property
     def stop(self) -> int:
@@ -121,7 +121,7 @@ class _Together:
             kept[state.length] = state.first_beam(0)
         return state.length >= self.stop
 
-    def result(self, item: int) -> tuple[Tensor, float]:
+    def result(self, item: int) -> tuple[list[int], float]:
         return self.first[item][self.stop]
 
 
@@ -196,10 +196,10 @@ def spec_beam_search_loop(
         stats.draft_passes += levels
     clock.into(stats)
     if together is not None:
-        best = [together.result(i) for i in range(batch)]
-        return [t for t, _ in best], [s for _, s in best], together.stop
-    best = [done[i].best(0) for i in range(batch)]
-    return [t for t, _ in best], [s for _, s in best], max(done[i].length for i in range(batch))
+        tokens, scores = on_device([together.result(i) for i in range(batch)], device)
+        return tokens, scores, together.stop
+    tokens, scores = on_device([done[i].best(0) for i in range(batch)], device)
+    return tokens, scores, max(done[i].length for i in range(batch))
 
 
 def draft(
