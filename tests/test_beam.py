@@ -289,3 +289,42 @@ def test_on_device_sends_every_item_in_one_tensor():
     tokens, scores = on_device([([1, 2], -1.0), ([], -2.0), ([3], -0.5)], torch.device("cpu"))
     assert [t.tolist() for t in tokens] == [[1, 2], [], [3]] and scores == [-1.0, -2.0, -0.5]
     assert all(t.dtype == torch.long for t in tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_ranking_equals_torch_topk(dtype):
+    """`kernels.beam_top` (the CPU's step) ranks as torch.topk over scores cast to the log-probs' dtype plus
+    log-probs, rows picked by `rows`; its new beams are the K best. NaN candidates rank first, as
+    torch.topk's (their order among themselves is not torch's: `beam_step` then ranks with torch)."""
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(3)
+    a, k, vocab, n = 3, 4, 37, 8
+    scores = torch.randn(a, k, generator=g, dtype=torch.float64) * 3
+    scores[1, 2:] = -math.inf  # padding beams
+    logprobs = torch.randn(20, vocab, generator=g, dtype=dtype).log_softmax(-1)
+    logprobs[:, 7] = -math.inf
+    logprobs[9] = math.nan
+    rows = [int(r) for r in torch.randperm(20, generator=g) if r != 9][: a * k]
+    rows[8] = 9  # item 2's first beam: NaN (and with rows None, its second)
+    for r in (rows, None):
+        lp = logprobs[: a * k] if r is None else logprobs
+        picked = lp if r is None else lp[r]
+        cand = (scores.to(dtype)[:, :, None] + picked.view(a, k, vocab)).view(a, k * vocab)
+        want_v, want_i = cand.topk(n, dim=1)
+        values, index, parents, tokens, best = kernels.beam_top(scores, lp, r, n)
+        clean = 2  # items without NaN
+        assert index[:clean] == want_i[:clean].tolist() and values[:clean] == want_v[:clean].double().tolist()
+        assert all(v != v for v in values[2]) and want_v[2].isnan().all()
+        assert parents[: clean * k].tolist() == (torch.arange(clean)[:, None] * k + want_i[:clean, :k] // vocab).flatten().tolist()
+        assert tokens[: clean * k].tolist() == (want_i[:clean, :k] % vocab).flatten().tolist()
+        assert torch.equal(best[:clean], want_v[:clean, :k].double())
+
+
+def test_kernel_ranking_breaks_ties_to_the_lower_index():
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
+    scores = torch.zeros(1, 2, dtype=torch.float64)
+    logprobs = torch.tensor([[0.5, 0.1, 0.5], [0.5, 0.1, 0.1]]).log()
+    values, index, *_ = kernels.beam_top(scores, logprobs, None, 4)
+    assert index == [[0, 2, 3, 1]]  # three at log 0.5 by flat index, then the first log 0.1

@@ -146,7 +146,7 @@ def test_upstream_semantics_float64_equals_plain(kind, beam_size, gamma, layout)
 
 @pytest.mark.parametrize("kind, semantics", [("partial", "standard"), ("partial", "upstream"), ("equal", "standard")])
 def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, kind, semantics):
-    """On the kernels (float32, unguided) a cycle's draft and verify pass are one call
+    """On the kernels (float32, unguided) a cycle's draft, verify pass and target head are one call
     (`Backend.beam_draft`); without it `spec_beam.draft` builds the tree level by level and `verify` passes
     over it. Every cycle runs both ways from the same cache: the same tree (nodes, tables, exit states),
     the same target log-probs and the same K/V written in every layer, for items at different lengths
@@ -180,6 +180,7 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, kind, semanti
             assert torch.equal(getattr(tree, name), getattr(by_level, name)), name
         assert (tree.count_host, tree.row_host, tree.children) == (by_level.count_host, by_level.row_host, by_level.children)
         assert (tree.verified is not None) == (levels > 0) and by_level.verified is None
+        assert (tree.logprobs is not None) == (levels > 0) and by_level.logprobs is None  # the head in that call
         assert torch.equal(spec_beam.verify(dec, live, by_level, cache, cond_scale, temperature), logprobs)
         # recomputed, not carried: the ready roots' log-probs as a pass over them gives them
         fresh = dataclasses.replace(live, ready=None, carried=None)

@@ -29,6 +29,7 @@ from typing import Callable, Literal
 import torch
 from torch import Tensor
 
+from . import kernels
 from .decoder import Decoder, Encoded
 from .finite import NonFiniteLogits
 from .sampling import cfg_mix
@@ -139,32 +140,39 @@ class StepOutput:
     host: tuple[list[int], list[int], list[float]]
 
 
-def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOutput:
+def beam_step(state: BeamState, logprobs: Tensor, last: bool = False, rows: list[int] | None = None) -> StepOutput:
     """Advance every active item by one exact beam-search step; mutates `state`.
 
-    logprobs: (active * K, V) next-token log-probs of the live beams. `last` finalises at max_length.
+    logprobs: next-token log-probs with a row per live beam, (active * K, V), or any rows of which `rows`
+    names each live beam's. `last` finalises at max_length.
     """
     if state.semantics == "upstream":
-        return _upstream_step(state, logprobs, last)
+        return _upstream_step(state, logprobs if rows is None else logprobs[rows], last)
     k, a = state.beam_size, state.active
     vocab = logprobs.shape[-1]
-    cand = (state.scores.to(logprobs.dtype)[:, :, None] + logprobs.view(a, k, vocab)).view(a, k * vocab)
-    top_scores, top_index = cand.topk(min(2 * k, k * vocab), dim=1)
-    new_len = state.length + 1
-    norm = new_len**state.length_penalty
+    n = min(2 * k, k * vocab)
+    norm = (state.length + 1) ** state.length_penalty
     device = state.device
-    # the ranked candidates as Python numbers (`_read`: one read-back where that waits for the device): a
-    # few dozen values, cheaper to test here than with tensor ops
-    read = _read(top_scores, top_index)
+    # the ranked candidates as Python numbers: a few dozen values, cheaper to test here than with tensor
+    # ops; on the CPU in one kernel call with the new beams' tensors (`kernels.beam_top`), else with
+    # torch.topk (`_ranked`: one read-back where that waits for the device)
+    fast = kernels.beam_top(state.scores, logprobs, rows, n)
+    if fast is None:
+        if rows is not None:
+            logprobs = logprobs[rows]
+        top_scores, top_index, read = _ranked(state, logprobs, n)
+    else:
+        read = fast[:2]
     best, flat = [row[:k] for row in read[0]], [row[:k] for row in read[1]]
     if any(v != v for row in best for v in row):
         # topk ranks NaN first: some beam's log-probs hold NaN (`step_logprobs`: its logits were not all
         # finite). A live beam's is an error; a padding beam's (-inf score) is never read, but must not
         # outrank real candidates
+        if fast is not None and rows is not None:
+            logprobs = logprobs[rows]
+        fast = None
         _raise_nonfinite(state, logprobs.view(a, k, vocab))
-        cand.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        top_scores, top_index = cand.topk(min(2 * k, k * vocab), dim=1)
-        read = _read(top_scores, top_index)
+        top_scores, top_index, read = _ranked(state, logprobs, n, nan=-math.inf)
         best, flat = [row[:k] for row in read[0]], [row[:k] for row in read[1]]
     if all(math.isfinite(v) for row in best for v in row) and (
         state.eos_id is None or all(f % vocab != state.eos_id for row in flat for f in row)
@@ -172,13 +180,16 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
         # the common case: no EOS and no -inf among the K best, so they are the new beams
         host = ([i * k + f // vocab for i, row in enumerate(flat) for f in row],
                 [f % vocab for row in flat for f in row], [v for row in best for v in row])
-        if transfers_wait(device):  # formed on the device from the same indices
+        if fast is not None:
+            parents, tokens, scores = fast[2:]
+        elif transfers_wait(device):  # formed on the device from the same indices
             best_index = top_index[:, :k]
             parents = torch.arange(a, device=device)[:, None] * k + torch.div(best_index, vocab, rounding_mode="floor")
             tokens = best_index % vocab
+            scores = top_scores[:, :k].to(torch.float64)  # the values of `best`, exactly
         else:  # on the CPU one tensor from the lists costs less than the five ops above
             parents, tokens = torch.tensor(host[0] + host[1], device=device).view(2, a, k)
-        scores = top_scores[:, :k].to(torch.float64)  # the float32 values of `best`, exactly
+            scores = top_scores[:, :k].to(torch.float64)
     else:
         parents, tokens, scores, host = _walk(state, *read, vocab, norm)
     best_live = host[2][::k]  # beams are in score order
@@ -198,13 +209,24 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False) -> StepOut
     if len(keep) == a:  # no item finished: rows stay where they are
         return StepOutput(parents.flatten(), tokens.flatten(), torch.arange(a, device=device), host)
     kept = torch.tensor(keep, dtype=torch.long, device=device)
-    rows = item_rows(kept, k)
+    rows_kept = item_rows(kept, k)
     state.items = [state.items[i] for i in keep]
     host_rows = [i * k + j for i in keep for j in range(k)]
     state.history = [state.history[r] for r in host_rows]
     state.scores = state.scores[kept]
-    return StepOutput(parents.flatten()[rows], tokens.flatten()[rows], kept,
+    return StepOutput(parents.flatten()[rows_kept], tokens.flatten()[rows_kept], kept,
                       tuple([h[r] for r in host_rows] for h in host))
+
+
+def _ranked(state: BeamState, logprobs: Tensor, n: int, nan: float | None = None) -> tuple[Tensor, Tensor, tuple]:
+    """The n best candidates per item with torch.topk: (scores, flat indices, the same read back);
+    `nan` replaces NaN candidates first."""
+    k, a, vocab = state.beam_size, state.active, logprobs.shape[-1]
+    cand = (state.scores.to(logprobs.dtype)[:, :, None] + logprobs.view(a, k, vocab)).view(a, k * vocab)
+    if nan is not None:
+        cand.nan_to_num_(nan=nan, posinf=math.inf, neginf=-math.inf)
+    top_scores, top_index = cand.topk(n, dim=1)
+    return top_scores, top_index, _read(top_scores, top_index)
 
 
 def transfers_wait(device: torch.device) -> bool:

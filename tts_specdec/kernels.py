@@ -46,7 +46,7 @@ GROUP = 4  # panels per group (kGroup in csrc/kernels.h)
 BLOCK = 32  # terms per slab (kBlock in csrc/kernels.h)
 # read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
 ENABLED = os.environ.get("TTS_SPECDEC_KERNELS", "1") != "0"
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "accept.cpp", "fingerprint.cpp", "layers.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "accept.cpp", "beam.cpp", "fingerprint.cpp", "layers.cpp")]
 # included by the sources: torch does not see them, so their digest is a flag (a change rebuilds)
 _HEADERS = [Path(__file__).with_name("csrc") / name for name in ("kernels.h", "gemm_tiles.inc")]
 _module = None
@@ -312,8 +312,8 @@ def beam_draft(
     stack: Stack, head: Head, emb: Tensor, x0: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int,
     trunk: range, temperature: float, eos: int | None, cos: Tensor, sin: Tensor, k_all: Tensor, v_all: Tensor,
     enc_keys: Tensor, enc_values: Tensor, cross_mask: Tensor | None, enc_rows: Tensor | None = None,
-    upper: range | None = None, ready: Tensor | None = None, table: Tensor | None = None,
-) -> tuple[Tensor, ...]:
+    upper: range | None = None, ready: Tensor | None = None, table: Tensor | None = None, target: Head | None = None,
+) -> tuple[Tensor | None, ...]:
     """A speculative beam cycle's draft tree in one call (csrc/layers.cpp, `spec_beam.draft` unguided):
     beam search with `head` over the layers `trunk` for `levels` levels of `width` nodes per item from the
     roots x0 (R, dim) at slots t (R,) with scores `score` (R,), R = items x beams, every node kept in its
@@ -322,13 +322,16 @@ def beam_draft(
     the outputs (N, dim) by node of the verify pass over every node through `upper` (the layers above the
     trunk; none: the exit states). ready (R,) bool: roots the verify pass skips, leaving their K/V at slot t
     as it is (already taken through every layer; their outputs are zero). table (R, capacity) int64: a
-    cache by reference (`Stack.run`), the tree's slots t.. already each row's own."""
+    cache by reference (`Stack.run`), the tree's slots t.. already each row's own. target: the target's
+    head, whose log-probs by node (`beam.step_logprobs`, unguided) come after the outputs (else None)."""
     if trunk.start != 0 or (upper is not None and upper.start != trunk.stop):
         raise ValueError("the draft's trunk starts at layer 0, the verify pass where it ends")
-    return tuple(_module.beam_draft(
+    out = tuple(_module.beam_draft(
         stack._stack, head._head, emb, x0, t, score, items, levels, width, trunk.stop,
         trunk.stop if upper is None else upper.stop, temperature,
-        -1 if eos is None else eos, cos, sin, k_all, v_all, enc_keys, enc_values, cross_mask, enc_rows, ready, table))
+        -1 if eos is None else eos, cos, sin, k_all, v_all, enc_keys, enc_values, cross_mask, enc_rows, ready, table,
+        None if target is None else target._head))
+    return out if target is not None else out + (None,)
 
 
 def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
@@ -373,6 +376,22 @@ def speculative_accept(
     u (rows, gamma) uniforms and race (rows, V) Exp(1) draws. Returns (accepted, next_token)."""
     c = lambda t: t if t.is_contiguous() else t.contiguous()  # noqa: E731
     return tuple(_module.speculative_accept(c(p), c(q), c(drafts), c(u), c(race), None if limit is None else c(limit)))
+
+
+def beam_top(
+    scores: Tensor, logprobs: Tensor, rows: list[int] | None, n: int
+) -> tuple[list[list[float]], list[list[int]], Tensor, Tensor, Tensor] | None:
+    """A beam step's ranking in one call (csrc/beam.cpp): per item the n best of scores (a, k) float64
+    (cast to logprobs' dtype) + log-probs of each beam's row (`rows`, None: row r for beam r) of logprobs
+    (N, V), NaN first as torch.topk, ties to the lower flat index; then the k best as new beams' rows and
+    tokens (a * k,) and scores (a, k) float64. None where it does not run: not the CPU, a dtype other than
+    float32/float64, or no extension (`beam.beam_step` then ranks with torch.topk)."""
+    if (not ENABLED or logprobs.device.type != "cpu" or logprobs.dtype not in (torch.float32, torch.float64)
+            or _load() is None):
+        return None
+    if logprobs.stride(-1) != 1:
+        logprobs = logprobs.contiguous()
+    return _module.beam_top(scores.contiguous(), logprobs, [] if rows is None else rows, n)
 
 
 def isa(name: str = "") -> str:

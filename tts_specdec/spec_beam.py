@@ -78,6 +78,7 @@ class _Tree:
     children: dict[tuple[int, int], int]  # (parent node, token) -> node
     path_host: list[int]  # `path` on the host, flattened (N * levels), read with the children
     verified: Tensor | None = None  # (N, dim) the verify pass's outputs by node, where the draft's call ran it
+    logprobs: Tensor | None = None  # (N, V) the target's log-probs by node (`verify`), where that call made them
 
 
 @dataclass
@@ -229,9 +230,9 @@ def draft(
     whole = None if guided or static else dec.backend.beam_draft(live.x, t, score, a_n, levels, width, temperature,
                                                                 blocked, live.enc, cache, live.ready)
     if whole is not None:  # the backend drafted the whole tree, and passed over it, in one call
-        hs, anc, depth, count, row, index, parent, token, path, verified = whole
+        hs, anc, depth, count, row, index, parent, token, path, verified, logprobs = whole
         row_l, children, path_l, count_l = _read_tree(r_n, row, parent, token, path, count)
-        return _Tree(row, index, path, anc, depth, hs, count, count_l, row_l, children, path_l, verified)
+        return _Tree(row, index, path, anc, depth, hs, count, count_l, row_l, children, path_l, verified, logprobs)
     anc = torch.eye(m_max, dtype=torch.bool, device=device).repeat(r_n, 1, 1)
     depth = torch.zeros(r_n, m_max, dtype=torch.long, device=device)
     hs = live.x.new_zeros(r_n * g, m_max, dim)
@@ -336,6 +337,8 @@ def verify(
     ready root's are the last cycle's (`_Live.ready`: the backend's one call skipped it; passed level by
     level it is recomputed, to the same bits)."""
     guided = cond_scale > 1
+    if tree.logprobs is not None:  # the draft's call ran the pass and the head
+        return _carry(live, tree.logprobs)
     if tree.verified is not None:  # the draft's call ran the pass
         return _carry(live, step_logprobs(dec.target_logits(tree.verified), cond_scale, temperature))
     k = live.states[0].beam_size
@@ -377,7 +380,7 @@ def replay(
             continue
         while True:
             try:
-                out = beam_step(state, logprobs[nodes], last=state.length + 1 == max_length)
+                out = beam_step(state, logprobs, last=state.length + 1 == max_length, rows=nodes)
             except NonFiniteLogits as e:  # the state holds one item: name its row in the batch
                 raise NonFiniteLogits(live.items[a], e.step, e.head) from None
             steps += 1

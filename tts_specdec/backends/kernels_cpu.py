@@ -84,7 +84,7 @@ class CpuKernels(TorchEager):
         """The draft and the verify pass in one kernel call (`kernels.beam_draft`): some 90 small tensor
         operations and a count read back per level in `spec_beam.draft` and `verify`, each costing ~10-20
         us beside passes that stream the weights, were about a tenth of a cycle at width 512. The verify
-        pass's outputs (N, dim) by node come last."""
+        pass's outputs (N, dim) by node and the target's log-probs by node (or None) come last."""
         dec = self.dec
         head = dec._draft_head()
         if levels < 1 or head.kernel is None or x.dtype != torch.float32:
@@ -97,7 +97,7 @@ class CpuKernels(TorchEager):
         trunk, upper = range(dec.exit_layer), range(dec.exit_layer, dec.depth)
         out = kernels.beam_draft(self.stack, head.kernel, self._embedding, x[:, 0].contiguous(), t, score.float(), items,
                                  levels, width, trunk, temperature, eos, *dec._rope, k_all, v_all, enc.keys, enc.values,
-                                 enc.cross_mask, enc.source, upper, ready, cache.table)
+                                 enc.cross_mask, enc.source, upper, ready, cache.table, self._target())
         skipped = 0 if ready is None else int(ready.sum())
         for i in range(dec.depth):  # every node once in every layer, but ready roots above the trunk
             dec.layer_evals[i] += out[4].numel() - (skipped if i >= dec.exit_layer else 0)
@@ -110,14 +110,19 @@ class CpuKernels(TorchEager):
         """Up to `steps` steps in one kernel call, each drawn as the step-by-step loop draws it (the same
         filters, the same random numbers from `generator`), ending after a step in which some sequence
         picked EOS."""
-        w = self.dec._target_weight()
-        if not isinstance(w, Packed):
+        target = self._target()
+        if target is None:
             return super().plain_steps(x, pos, steps, cfg, generator, enc, cache, cond_scale)
-        if self._target_kernel is None:
-            self._target_kernel = kernels.Head([], w)
-        out = self._steps(x, pos, range(self.dec.depth), self._target_kernel, steps, cfg, generator, enc, cache,
+        out = self._steps(x, pos, range(self.dec.depth), target, steps, cfg, generator, enc, cache,
                           cond_scale=cond_scale, eos=self.dec.eos_id)
         return out[2], out[4][:, None]
+
+    def _target(self) -> kernels.Head | None:
+        """The target head in one kernel call (`Decoder.target_logits`'s product), where its weight is packed."""
+        w = self.dec._target_weight()
+        if self._target_kernel is None and isinstance(w, Packed):
+            self._target_kernel = kernels.Head([], w)
+        return self._target_kernel
 
     def draft_phase(
         self, x: Tensor, pos: Tensor, gamma: int, cfg: SamplingConfig, generator: torch.Generator | None,

@@ -27,6 +27,8 @@ tts::MaskView mask_view(const c10::optional<torch::Tensor>& mask, int64_t rows, 
 std::vector<torch::Tensor> speculative_accept(const torch::Tensor& p, const torch::Tensor& q, const torch::Tensor& drafts,
                                               const torch::Tensor& u, const torch::Tensor& race,
                                               const c10::optional<torch::Tensor>& limit);
+std::tuple<std::vector<std::vector<double>>, std::vector<std::vector<int64_t>>, torch::Tensor, torch::Tensor, torch::Tensor>
+beam_top(const torch::Tensor& scores, const torch::Tensor& logprobs, const std::vector<int64_t>& rows, int64_t n);  // beam.cpp
 
 namespace {
 
@@ -454,7 +456,8 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
                                       const torch::Tensor& sin, const torch::Tensor& k_all, const torch::Tensor& v_all,
                                       const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
                                       const c10::optional<torch::Tensor>& cross_mask, const c10::optional<torch::Tensor>& enc_rows,
-                                      const c10::optional<torch::Tensor>& ready, const c10::optional<torch::Tensor>& table) {
+                                      const c10::optional<torch::Tensor>& ready, const c10::optional<torch::Tensor>& table,
+                                      const Head* target) {
   TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat && x0.is_contiguous(), "x0: contiguous float32 (R, dim)");
   const int64_t R = x0.size(0), dim = x0.size(1);
   TORCH_CHECK(items > 0 && R % items == 0, "items: a divisor of the rows");
@@ -637,6 +640,14 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
     std::copy(src, src + dim, nodes.data_ptr<float>() + id * dim);
   }
   out.push_back(nodes);
+  if (target) {
+    // the target head and `beam.step_logprobs` (unguided) by node, in the same ATen ops as a plain beam
+    // step runs them from Python, so the same bits: a tenth of a millisecond of Python-side operations a
+    // cycle otherwise, each slow right after a call that streamed every weight
+    auto logits = (*target)(nodes);
+    if (temperature != 1.0) logits = logits / std::max(temperature, 1e-10);
+    out.push_back(at::log_softmax(logits, -1).add_(logits.sum({-1}, true).mul_(0)));
+  }
   return out;
 }
 
@@ -764,6 +775,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_steps", &decode_steps, "gamma decoding steps per row in one call: a draft phase, or a run of plain sampling");
   m.def("beam_draft", &beam_draft, "a speculative beam cycle's draft tree: levels of the exit head's beam search, every node kept");
   m.def("speculative_accept", &speculative_accept, "Leviathan et al.'s accept rule for one cycle of every row");
+  m.def("beam_top", &beam_top, "a beam step's ranked candidates per item, and its new beams' rows, tokens and scores");
   m.def("fingerprint", &fingerprint, "two 64-bit sums of each tensor's bytes (None unless all on the CPU)");
   m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
   m.def("move_slots", &move_slots, "in place: slots src of given cache rows (where a slot table points) copied to slots dst (every buffer, layer, head)");
