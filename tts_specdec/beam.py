@@ -182,14 +182,14 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False, rows: list
                 [f % vocab for row in flat for f in row], [v for row in best for v in row])
         if fast is not None:
             parents, tokens, scores = fast[2:]
-        elif transfers_wait(device):  # formed on the device from the same indices
-            best_index = top_index[:, :k]
-            parents = torch.arange(a, device=device)[:, None] * k + torch.div(best_index, vocab, rounding_mode="floor")
-            tokens = best_index % vocab
+        else:
             scores = top_scores[:, :k].to(torch.float64)  # the values of `best`, exactly
-        else:  # on the CPU one tensor from the lists costs less than the five ops above
-            parents, tokens = torch.tensor(host[0] + host[1], device=device).view(2, a, k)
-            scores = top_scores[:, :k].to(torch.float64)
+            if transfers_wait(device):  # formed on the device from the same indices
+                best_index = top_index[:, :k]
+                parents = torch.arange(a, device=device)[:, None] * k + torch.div(best_index, vocab, rounding_mode="floor")
+                tokens = best_index % vocab
+            else:  # on the CPU one tensor from the lists costs less than the five ops above
+                parents, tokens = torch.tensor(host[0] + host[1], device=device).view(2, a, k)
     else:
         parents, tokens, scores, host = _walk(state, *read, vocab, norm)
     best_live = host[2][::k]  # beams are in score order
