@@ -32,7 +32,7 @@ def test_beam_step_sends_top_ranked_eos_to_finished_and_fills_live_beams():
     assert finished[0][0] == pytest.approx((s1 + math.log(0.97)) / 2)  # sum / len**1, len incl. EOS
     assert state.tokens.tolist() == [[0, 2], [0, 0]]
     assert state.scores[0].tolist() == pytest.approx([s0 + math.log(0.5), s0 + math.log(0.06)])
-    assert out.parents.tolist() == [0, 0] and out.tokens.tolist() == [2, 0] and out.kept.tolist() == [0]
+    assert out.parents.tolist() == [0, 0] and out.tokens.tolist() == [2, 0] and out.kept is None  # every item kept
 
 
 def test_beam_step_eos_at_rank_k_minus_one_is_finished():

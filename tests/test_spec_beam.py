@@ -201,3 +201,63 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, kind, semanti
     assert dec.decoder.backend.name == "kernels" and len(compared) > 10 and max(compared) == 2
     assert sum(made) == sum(n > 0 for n in compared)  # every cycle with a level to draft, in one call
     assert sum(readied) > 0  # some cycles started with roots already verified
+
+
+@pytest.mark.parametrize("by_reference, semantics", [(True, "standard"), (True, "upstream"), (False, "standard")])
+def test_kernels_one_call_commit_leaves_what_the_cache_verbs_leave(monkeypatch, by_reference, semantics):
+    """On the kernels (float32, unguided) a cycle's commit is one call (`Backend.commit_beams`): the cache's
+    rows reordered (slot tables, or K/V by value), the accepted paths moved, the lengths cropped, and the
+    next cycle's inputs, scores by row and carried log-probs made. Every cycle runs it and the cache verbs'
+    way from the same state: the same K/V in every layer, the same tables and lengths, the same next
+    cycle, for items that finish at different cycles (the verbs then run alone) and rows made ready."""
+    from tts_specdec import kernels, spec_beam
+    from tts_specdec.backends.kernels_cpu import CpuKernels
+
+    if not kernels.available():
+        pytest.skip("the CPU kernels do not run here")
+    inner, made, readied = CpuKernels.commit_beams, [], []
+    commit = spec_beam.commit
+
+    def state(cache):
+        return (cache.k.clone(), cache.v.clone(), None if cache.table is None else cache.table.clone(),
+                cache.lengths.clone(), cache.high)
+
+    def restore(cache, saved):  # a cache by value that dropped rows holds fewer: its buffers replaced
+        cache.k, cache.v = saved[0].clone(), saved[1].clone()
+        cache._per_layer()
+        cache.table = None if saved[2] is None else saved[2].clone()
+        cache.lengths, cache.high = saved[3].clone(), saved[4]
+
+    def both(dec, live, tree, advances, cache, guided, logprobs):
+        before = state(cache)
+        calls = []
+        monkeypatch.setattr(CpuKernels, "commit_beams", lambda *a, **k: calls.append(inner(*a, **k)) or calls[-1])
+        fast = commit(dec, live, tree, advances, cache, guided, logprobs)
+        after = state(cache)
+        restore(cache, before)
+        monkeypatch.setattr(CpuKernels, "commit_beams", lambda *a, **k: None)
+        slow = commit(dec, live, tree, advances, cache, guided, logprobs)
+        for got, want in zip(after[:4], state(cache)[:4]):
+            assert (got is None and want is None) or torch.equal(got, want)
+        assert (fast.items, fast.lengths, fast.rows, fast.ready_count) == (slow.items, slow.lengths, slow.rows, slow.ready_count)
+        assert torch.equal(fast.t, slow.t) and torch.equal(fast.x, slow.x)
+        assert torch.equal(fast.score, slow.score.to(fast.score.dtype))
+        assert (fast.ready is None) == (slow.ready is None)
+        if fast.ready is not None:
+            assert torch.equal(fast.ready, slow.ready)
+            assert torch.equal(fast.carried[fast.ready], slow.carried[slow.ready])  # rows not ready are never read
+        made.append(bool(calls) and calls[0] is not None)
+        readied.append(fast.ready_count)
+        restore(cache, after)
+        return fast
+
+    monkeypatch.setattr(spec_beam, "commit", both)
+    monkeypatch.setattr(CpuKernels, "by_reference", by_reference)
+    dec = SpeculativeDecoder(draft_model("partial", seed=3))
+    source = make_source(3, 8, seed=5, lengths=[8, 3, 5])
+    for temperature in (1.0, 0.7):
+        dec.beam_search(source, beam_size=3, max_length=16, gamma=2, draft_width=5, beam_semantics=semantics,
+                        temperature=temperature)
+    assert dec.decoder.backend.name == "kernels" and len(made) > 10
+    assert any(made) and not all(made)  # the one call, and the verbs alone where an item finished
+    assert sum(readied) > 0  # some cycles made rows ready

@@ -134,7 +134,7 @@ def on_device(results: list[tuple[list[int], float]], device: torch.device) -> t
 class StepOutput:
     parents: Tensor  # (active' * K,) old row of each new live beam (finished items dropped)
     tokens: Tensor  # (active' * K,) the token each new live beam appended
-    kept: Tensor  # (active',) old index of each item still active
+    kept: Tensor | None  # (active',) old index of each item still active; None: every item
     # the same parents and tokens, and the new beams' scores, on the host (read with the step's one
     # read-back: a caller that needs them reads nothing more)
     host: tuple[list[int], list[int], list[float]]
@@ -186,10 +186,10 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False, rows: list
             scores = top_scores[:, :k].to(torch.float64)  # the values of `best`, exactly
             if transfers_wait(device):  # formed on the device from the same indices
                 best_index = top_index[:, :k]
-                parents = torch.arange(a, device=device)[:, None] * k + torch.div(best_index, vocab, rounding_mode="floor")
-                tokens = best_index % vocab
+                parents = (torch.arange(a, device=device)[:, None] * k + torch.div(best_index, vocab, rounding_mode="floor")).flatten()
+                tokens = (best_index % vocab).flatten()
             else:  # on the CPU one tensor from the lists costs less than the five ops above
-                parents, tokens = torch.tensor(host[0] + host[1], device=device).view(2, a, k)
+                parents, tokens = torch.tensor(host[0] + host[1], device=device).view(2, a * k)
     else:
         parents, tokens, scores, host = _walk(state, *read, vocab, norm)
     best_live = host[2][::k]  # beams are in score order
@@ -207,15 +207,14 @@ def beam_step(state: BeamState, logprobs: Tensor, last: bool = False, rows: list
     else:
         keep = [i for i in range(a) if not _is_done(state, i, best_live[i], norm)]
     if len(keep) == a:  # no item finished: rows stay where they are
-        return StepOutput(parents.flatten(), tokens.flatten(), torch.arange(a, device=device), host)
+        return StepOutput(parents, tokens, None, host)
     kept = torch.tensor(keep, dtype=torch.long, device=device)
     rows_kept = item_rows(kept, k)
     state.items = [state.items[i] for i in keep]
     host_rows = [i * k + j for i in keep for j in range(k)]
     state.history = [state.history[r] for r in host_rows]
     state.scores = state.scores[kept]
-    return StepOutput(parents.flatten()[rows_kept], tokens.flatten()[rows_kept], kept,
-                      tuple([h[r] for r in host_rows] for h in host))
+    return StepOutput(parents[rows_kept], tokens[rows_kept], kept, tuple([h[r] for r in host_rows] for h in host))
 
 
 def _ranked(state: BeamState, logprobs: Tensor, n: int, nan: float | None = None) -> tuple[Tensor, Tensor, tuple]:
@@ -277,15 +276,14 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
             read[a + 1 + 2 * n :])
     state.history = [state.history[p] + [tk] for p, tk in zip(host[0], host[1])]
     state.length += 1
-    kept = torch.arange(a, device=device)
     if last or (state.stop_together and state.all_ended()):
         for i in range(a):
             tokens_i, score = state.first_beam(i)
             state._add_finished(state.items[i], score, tokens_i)
-        state.items, kept = [], kept[:0]
+        state.items = []
         state.history, state.scores, state.ended = [], state.scores[:0], state.ended[:0]
-        return StepOutput(parents[:0], tokens[:0], kept, ([], [], []))
-    return StepOutput(parents, tokens, kept, host)
+        return StepOutput(parents[:0], tokens[:0], torch.zeros(0, dtype=torch.long, device=device), ([], [], []))
+    return StepOutput(parents, tokens, None, host)
 
 
 def _raise_nonfinite(state: BeamState, logprobs: Tensor) -> None:
@@ -323,7 +321,7 @@ def _walk(
                 break
         parents[i, filled:] = i * k  # padding beams: -inf score, never expanded
     host = (parents.flatten().tolist(), tokens.flatten().tolist(), scores.flatten().tolist())  # CPU tensors
-    return parents.to(device), tokens.to(device), scores.to(device), host
+    return parents.flatten().to(device), tokens.flatten().to(device), scores.to(device), host
 
 
 def _is_done(state: BeamState, i: int, best_live: float, norm: float) -> bool:

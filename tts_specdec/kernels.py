@@ -46,7 +46,7 @@ GROUP = 4  # panels per group (kGroup in csrc/kernels.h)
 BLOCK = 32  # terms per slab (kBlock in csrc/kernels.h)
 # read when weights are prepared (and part of what `Decoder.begin` compares); tests switch it
 ENABLED = os.environ.get("TTS_SPECDEC_KERNELS", "1") != "0"
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "accept.cpp", "beam.cpp", "fingerprint.cpp", "layers.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("small_gemm.cpp", "attention.cpp", "accept.cpp", "beam.cpp", "cache_ops.cpp", "fingerprint.cpp", "layers.cpp")]
 # included by the sources: torch does not see them, so their digest is a flag (a change rebuilds)
 _HEADERS = [Path(__file__).with_name("csrc") / name for name in ("kernels.h", "gemm_tiles.inc")]
 _module = None
@@ -313,6 +313,7 @@ def beam_draft(
     trunk: range, temperature: float, eos: int | None, cos: Tensor, sin: Tensor, k_all: Tensor, v_all: Tensor,
     enc_keys: Tensor, enc_values: Tensor, cross_mask: Tensor | None, enc_rows: Tensor | None = None,
     upper: range | None = None, ready: Tensor | None = None, table: Tensor | None = None, target: Head | None = None,
+    carried: Tensor | None = None,
 ) -> tuple[Tensor | None, ...]:
     """A speculative beam cycle's draft tree in one call (csrc/layers.cpp, `spec_beam.draft` unguided):
     beam search with `head` over the layers `trunk` for `levels` levels of `width` nodes per item from the
@@ -322,16 +323,18 @@ def beam_draft(
     the outputs (N, dim) by node of the verify pass over every node through `upper` (the layers above the
     trunk; none: the exit states). ready (R,) bool: roots the verify pass skips, leaving their K/V at slot t
     as it is (already taken through every layer; their outputs are zero). table (R, capacity) int64: a
-    cache by reference (`Stack.run`), the tree's slots t.. already each row's own. target: the target's
-    head, whose log-probs by node (`beam.step_logprobs`, unguided) come after the outputs (else None)."""
+    cache by reference (`Stack.run`); the call makes the tree's slots t.. each row's own (`KVCache.claim`).
+    target: the target's head, whose log-probs by node (`beam.step_logprobs`, unguided) come after the
+    outputs (else None), a ready root's replaced by its row of `carried` (R, V) where given. Last, one int64
+    tensor of what the caller reads on the host: row, parent, token, path flattened, count."""
     if trunk.start != 0 or (upper is not None and upper.start != trunk.stop):
         raise ValueError("the draft's trunk starts at layer 0, the verify pass where it ends")
     out = tuple(_module.beam_draft(
         stack._stack, head._head, emb, x0, t, score, items, levels, width, trunk.stop,
         trunk.stop if upper is None else upper.stop, temperature,
         -1 if eos is None else eos, cos, sin, k_all, v_all, enc_keys, enc_values, cross_mask, enc_rows, ready, table,
-        None if target is None else target._head))
-    return out if target is not None else out + (None,)
+        None if target is None else target._head, carried))
+    return out if target is not None else out[:-1] + (None, out[-1])
 
 
 def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
@@ -348,6 +351,20 @@ def fingerprint(tensors: list[Tensor]) -> list[int] | None:
         return None
     sums = _module.fingerprint(tensors)
     return None if sums is None else sums.view(-1).tolist()
+
+
+def commit_beams(
+    k: Tensor, v: Tensor, table: Tensor | None, high: int, source: list[int], rows: list[int], src: list[int],
+    dst: list[int], lengths: list[int], tokens: list[int], node: list[int], scores: list[float], emb: Tensor,
+    logprobs: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """A speculative beam cycle's commit in one call (csrc/cache_ops.cpp), on the float32 CPU cache buffers
+    k, v (layers, R, heads, capacity, d) and slot table (or None): the cache's rows become rows `source` of
+    the old ones, then within new row rows[i] the R x s slots src move to dst (as `move_slots`). Returns,
+    by new row: its pending input's slot t (its item's `lengths` entry), the same again for the cache, x
+    (R, 1, dim) = emb[tokens], the scores (R,) float32 (new beam i's at row rows[i]), and where some node
+    is >= 0, ready = node >= 0 and carried = logprobs[node] (else None, None)."""
+    return tuple(_module.commit_beams(k, v, table, high, source, rows, src, dst, lengths, tokens, node, scores, emb, logprobs))
 
 
 def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:

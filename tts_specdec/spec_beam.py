@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .beam import BeamSemantics, BeamState, beam_step, encode_beams, item_rows, on_device, step_logprobs
+from .beam import BeamSemantics, BeamState, beam_step, encode_beams, on_device, step_logprobs
 from .cache import KVCache
 from .decoder import Decoder, Encoded
 from .finite import NonFiniteLogits
@@ -48,17 +48,18 @@ class _Live:
 
     items: list[int]  # original index of each active item
     states: list[BeamState]  # one per active item: items advance by different numbers of steps
-    pos: Tensor  # (A,) generated tokens = slot and position of every live beam's pending input
-    lengths: list[int]  # the same on the host (no read-back to size a cycle)
+    t: Tensor  # (A * K,) by cache row: its item's generated tokens = slot and position of its pending input
+    lengths: list[int]  # (A,) the same per item on the host (no read-back to size a cycle)
     rows: list[int]  # (A * K) the cache row of each live beam, in the states' beam order
-    rows_t: Tensor  # the same on the device (sent with the commit's one copy)
+    score: Tensor  # (A * K,) by cache row: its beam's score (float64, or float32 as the kernels' draft takes it)
     x: Tensor  # (A * K * g, 1, dim) pending inputs (not yet through any layer), by cache row
     enc: Encoded  # one entry per cache row
     # by row (A * K,): the pending input is a node the last verify pass took through every layer (its
     # K/V already at its slot), and that pass's target log-probs after it (rows not ready: unset); None:
-    # no row is ready
+    # no row is ready. ready_count: how many are, on the host
     ready: Tensor | None = None
     carried: Tensor | None = None
+    ready_count: int = 0
 
 
 @dataclass
@@ -78,7 +79,9 @@ class _Tree:
     children: dict[tuple[int, int], int]  # (parent node, token) -> node
     path_host: list[int]  # `path` on the host, flattened (N * levels), read with the children
     verified: Tensor | None = None  # (N, dim) the verify pass's outputs by node, where the draft's call ran it
-    logprobs: Tensor | None = None  # (N, V) the target's log-probs by node (`verify`), where that call made them
+    # (N, V) the target's log-probs by node (`verify`), the ready roots' carried ones included, where that
+    # call made them
+    logprobs: Tensor | None = None
 
 
 @dataclass
@@ -89,6 +92,7 @@ class _Advance:
     parents: list[int] | None  # the node each new live beam extends; None: the item is done
     tokens: list[int] | None  # pending input of each new live beam
     verified: list[int | None] | None = None  # the node each new beam's pending input is, if verified (None: done)
+    scores: list[float] | None = None  # each new live beam's score (None: done)
 
 
 @dataclass
@@ -168,9 +172,8 @@ def spec_beam_search_loop(
     together = _Together(batch, max_length) if semantics == "upstream" else None
     states = [BeamState.initial(1, k, length_penalty, dec.eos_id, device, semantics, stop_together=False)
               for _ in range(batch)]
-    live = _Live(list(range(batch)), states, torch.zeros(batch, dtype=torch.long, device=device), [0] * batch,
-                 list(range(batch * k)), torch.arange(batch * k, device=device),
-                 dec.start(enc.rows), enc)
+    live = _Live(list(range(batch)), states, torch.zeros(batch * k, dtype=torch.long, device=device), [0] * batch,
+                 list(range(batch * k)), torch.cat([s.scores for s in states]).flatten(), dec.start(enc.rows), enc)
     done: dict[int, BeamState] = {}
     stats.committed_hist = [0] * (gamma + 2)
     clock = PhaseClock(device)
@@ -217,21 +220,20 @@ def draft(
     guided = cond_scale > 1
     g = 2 if guided else 1
     a_n, k = len(live.states), live.states[0].beam_size
-    r_n, device, vocab, eos = a_n * k, live.pos.device, dec.vocab_size, dec.eos_id
+    r_n, device, vocab, eos = a_n * k, live.t.device, dec.vocab_size, dec.eos_id
     m_max, dim = 1 + levels * width, live.x.shape[-1]
     static = dec.backend.static_shapes
-    t = live.pos.repeat_interleave(k)  # (R,) slot of each root
+    t = live.t  # (R,) slot of each root
     t_host = [n for n in live.lengths for _ in range(k)]
     same_t = _same(live.lengths)
-    score = torch.cat([s.scores for s in live.states]).flatten()  # (R,) target scores of the live beams
-    if live.rows != list(range(r_n)):  # by root row
-        score = torch.empty_like(score).index_copy_(0, live.rows_t, score)
+    score = live.score  # (R,) target scores of the live beams, by root row
     blocked = eos if eos is not None and live.states[0].semantics == "standard" else None
-    whole = None if guided or static else dec.backend.beam_draft(live.x, t, score, a_n, levels, width, temperature,
-                                                                blocked, live.enc, cache, live.ready)
+    whole = None if guided or static else dec.backend.beam_draft(
+        live.x, t, score, a_n, levels, width, temperature, blocked, live.enc, cache, live.ready, live.carried,
+        live.lengths, live.ready_count)
     if whole is not None:  # the backend drafted the whole tree, and passed over it, in one call
-        hs, anc, depth, count, row, index, parent, token, path, verified, logprobs = whole
-        row_l, children, path_l, count_l = _read_tree(r_n, row, parent, token, path, count)
+        hs, anc, depth, count, row, index, parent, token, path, verified, logprobs, host = whole
+        row_l, children, path_l, count_l = _read_tree(r_n, row.numel(), levels, host.tolist(), counted=True)
         return _Tree(row, index, path, anc, depth, hs, count, count_l, row_l, children, path_l, verified, logprobs)
     anc = torch.eye(m_max, dtype=torch.bool, device=device).repeat(r_n, 1, 1)
     depth = torch.zeros(r_n, m_max, dtype=torch.long, device=device)
@@ -297,22 +299,20 @@ def draft(
             per_row_host = per_row.tolist()
             first_host, count_host = count_host, [a + b for a, b in zip(count_host, per_row_host)]
     row, index, parent, token, path = (torch.cat(f) for f in zip(*nodes))
-    row_l, children, path_l, _ = _read_tree(r_n, row, parent, token, path)
+    row_l, children, path_l, _ = _read_tree(r_n, row.numel(), levels, torch.cat((row, parent, token, path.flatten())).tolist())
     return _Tree(row, index, path, anc, depth, hs, count, None if static else count_host, row_l, children, path_l)
 
 
 def _read_tree(
-    roots: int, row: Tensor, parent: Tensor, token: Tensor, path: Tensor, count: Tensor | None = None
+    roots: int, n: int, levels: int, host: list[int], counted: bool = False
 ) -> tuple[list[int], dict[tuple[int, int], int], list[int], list[int] | None]:
-    """A tree's host side in one read-back: every node's row, the children of (parent node, token), every
-    node's path flattened, and the rows' node counts where given."""
-    n = row.numel()
-    parts = (row, parent, token, path.flatten()) + (() if count is None else (count,))
-    host = torch.cat(parts).tolist()
+    """A tree's host side from its one read-back `host` (the n nodes' rows, parents, tokens, paths
+    flattened, then where `counted` the rows' node counts): every node's row, the children of (parent
+    node, token), every node's path flattened, and the counts (or None)."""
     parent_l, token_l = host[n : 2 * n], host[2 * n : 3 * n]
     children = {(p, tk): i for i, (p, tk) in enumerate(zip(parent_l, token_l)) if i >= roots}
-    end = 3 * n + path.numel()
-    return host[:n], children, host[3 * n : end], None if count is None else host[end:]
+    end = 3 * n + n * levels
+    return host[:n], children, host[3 * n : end], host[end:] if counted else None
 
 
 def _tree_pass(
@@ -337,12 +337,11 @@ def verify(
     ready root's are the last cycle's (`_Live.ready`: the backend's one call skipped it; passed level by
     level it is recomputed, to the same bits)."""
     guided = cond_scale > 1
-    if tree.logprobs is not None:  # the draft's call ran the pass and the head
-        return _carry(live, tree.logprobs)
+    if tree.logprobs is not None:  # the draft's call ran the pass and the head, and carried the ready roots'
+        return tree.logprobs
     if tree.verified is not None:  # the draft's call ran the pass
         return _carry(live, step_logprobs(dec.target_logits(tree.verified), cond_scale, temperature))
-    k = live.states[0].beam_size
-    t = live.pos.repeat_interleave(k)
+    t = live.t
     static = dec.backend.static_shapes  # the whole tree's size instead of the largest row's
     m = tree.anc.shape[1] if static else max(tree.count_host)
     same_t = _same(live.lengths)
@@ -395,7 +394,7 @@ def replay(
             nxt = [p if n is None and dd else n for n, p, dd in zip(found, parents, dead)]
             if None in nxt:  # a new beam left the tree: this step is committed, the cycle ends
                 advances.append(_Advance(steps, parents, tokens,
-                                         [None if dd else n for n, dd in zip(found, dead)]))
+                                         [None if dd else n for n, dd in zip(found, dead)], scores))
                 break
             nodes = nxt
     return advances
@@ -408,14 +407,15 @@ def commit(
     row no new beam descends from (the root's K/V copied there, or by reference its slot table: one reorder
     per cycle, of those rows only);
     then its accepted path's K/V move to slots t+1.., t+steps-1, and to t+steps its pending input's where
-    that is a verified node (the row is then ready, with that node's `logprobs`)."""
+    that is a verified node (the row is then ready, with that node's `logprobs`). A backend may do it all
+    in one call (`Backend.commit_beams`: the kernels, unguided, while no item finishes)."""
     kept = [a for a, adv in enumerate(advances) if adv.parents is not None]
-    device, k = live.pos.device, live.states[0].beam_size
+    device, k = live.t.device, live.states[0].beam_size
     if not kept:
-        return _Live([], [], live.pos[:0], [], [], live.rows_t[:0], live.x[:0], live.enc)
+        return _Live([], [], live.t[:0], [], [], live.score[:0], live.x[:0], live.enc)
     # everything is worked out on the host from what replay and the draft's read-back hold (a few
-    # numbers per beam), then sent in one copy: the same work as tensor ops cost ~30 small kernels a
-    # cycle, ~0.5 ms at width 512 on a Zen 3
+    # numbers per beam), then sent in one copy (or one kernel call): the same work as tensor ops cost ~30
+    # small kernels a cycle, ~0.5 ms at width 512 on a Zen 3
     levels = tree.path.shape[1]
     lengths = [live.lengths[a] + advances[a].steps for a in kept]
     source, rows = [], []  # per new row (kept items' blocks in order): the old row it copies; per new beam: its row
@@ -445,11 +445,18 @@ def commit(
     # columns past a path's end copy a slot onto itself
     src = [t + (p[c] if c < len(p) else c + 1) for t, p in paths for c in range(s_max)]
     dst = [t + c + 1 for t, _ in paths for c in range(s_max)]
+    scores = [v for a in kept for v in advances[a].scores]  # by new beam, as rows
+    ready_count = sum(n >= 0 for n in node)
+    items, states = [live.items[a] for a in kept], [live.states[a] for a in kept]
+    fast = None if guided or len(kept) < len(advances) else dec.backend.commit_beams(
+        cache, source, rows, src, dst, lengths, tokens, node, scores, logprobs)
+    if fast is not None:
+        t_rows, x, score, ready, carried = fast
+        return _Live(items, states, t_rows, lengths, rows, score, x, live.enc, ready, carried, ready_count)
     crop = [n for n in lengths for _ in range(k)]
-    sent = torch.tensor(lengths + rows + source + tokens + node + crop + src + dst, device=device)
+    sent = torch.tensor(rows + source + tokens + node + crop + src + dst, device=device)
     n_rows = len(rows)
-    pos, rows_t, source_t, tokens_t, node_t, crop_t, src_t, dst_t = sent.split(
-        [len(kept)] + [n_rows] * 5 + [n_rows * s_max] * 2)
+    rows_t, source_t, tokens_t, node_t, crop_t, src_t, dst_t = sent.split([n_rows] * 5 + [n_rows * s_max] * 2)
     if source != list(range(len(live.rows))):
         cache.reorder(dec.rows(source_t, guided))
     if s_max > 0:
@@ -457,12 +464,16 @@ def commit(
                          dec.per_row(dst_t.view(n_rows, s_max), guided))
     cache.crop(dec.per_row(crop_t, guided))
     ready = carried = None
-    if any(n >= 0 for n in node):  # by row, as the tokens
+    if ready_count:  # by row, as the tokens
         ready, carried = node_t >= 0, logprobs[node_t.clamp(min=0)]
-    # the source side only changes when an item finished (every beam of an item shares it)
-    enc = live.enc if len(kept) == len(advances) else live.enc.select(dec.rows(item_rows(pos.new_tensor(kept), k), guided))
-    return _Live([live.items[a] for a in kept], [live.states[a] for a in kept], pos, lengths, rows, rows_t,
-                 dec.embed(tokens_t[:, None], guided), enc, ready, carried)
+    score = torch.cat([state.scores for state in states]).flatten()  # by new beam: by row where rows differ
+    if rows != list(range(n_rows)):
+        score = torch.empty_like(score).index_copy_(0, rows_t, score)
+    # the source side only changes when an item finished: every beam of an item shares it, so the rows the
+    # new rows copy name it (no send of the kept items)
+    enc = live.enc if len(kept) == len(advances) else live.enc.select(dec.rows(source_t, guided))
+    return _Live(items, states, crop_t, lengths, rows, score, dec.embed(tokens_t[:, None], guided), enc, ready,
+                 carried, ready_count)
 
 
 def _same(lengths: list[int]) -> int | None:

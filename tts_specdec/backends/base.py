@@ -89,14 +89,28 @@ class Backend:
 
     def beam_draft(
         self, x: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int, temperature: float,
-        eos: int | None, enc: Encoded, cache: KVCache, ready: Tensor | None = None,
+        eos: int | None, enc: Encoded, cache: KVCache, ready: Tensor | None = None, carried: Tensor | None = None,
+        lengths: list[int] | None = None, ready_count: int = 0,
     ) -> tuple[Tensor, ...] | None:
         """A speculative beam cycle's whole draft and verify pass in one call, where the backend has one
         (unguided): the exit head's beam search for `levels` levels of `width` nodes per item from the roots
         x (R, 1, dim) at slots t (R,) with scores `score` (R,), R = items x beams, every node kept, then the
         layers above the exit over every node but the `ready` roots (R,) bool, whose K/V at slot t it leaves
-        as they are (`kernels.beam_draft` says what it returns). None: `spec_beam.draft` builds the tree level
-        by level and `spec_beam.verify` passes over it instead."""
+        as they are, and whose log-probs are their rows of `carried` (`kernels.beam_draft` says what it
+        returns). `lengths` (the items' lengths) and `ready_count` are t's and ready's values the caller
+        holds on the host. None: `spec_beam.draft` builds the tree level by level and `spec_beam.verify`
+        passes over it instead."""
+        return None
+
+    def commit_beams(
+        self, cache: KVCache, source: list[int], rows: list[int], src: list[int], dst: list[int], lengths: list[int],
+        tokens: list[int], node: list[int], scores: list[float], logprobs: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None] | None:
+        """A speculative beam cycle's commit in one call, where the backend has one (unguided, no item
+        finished): the cache's rows become `source`, each new row's accepted path moves from slots src to dst
+        and its length becomes its item's (`lengths`); returns the next cycle's slots t, inputs x, scores by
+        row and ready, carried (`kernels.commit_beams`). None: `spec_beam.commit` does it with the cache's
+        verbs."""
         return None
 
     def run_cycle(

@@ -79,7 +79,8 @@ class CpuKernels(TorchEager):
 
     def beam_draft(
         self, x: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int, temperature: float,
-        eos: int | None, enc: Encoded, cache: KVCache, ready: Tensor | None = None,
+        eos: int | None, enc: Encoded, cache: KVCache, ready: Tensor | None = None, carried: Tensor | None = None,
+        lengths: list[int] | None = None, ready_count: int = 0,
     ) -> tuple[Tensor, ...] | None:
         """The draft and the verify pass in one kernel call (`kernels.beam_draft`): some 90 small tensor
         operations and a count read back per level in `spec_beam.draft` and `verify`, each costing ~10-20
@@ -90,18 +91,36 @@ class CpuKernels(TorchEager):
         if levels < 1 or head.kernel is None or x.dtype != torch.float32:
             return None
         m = 1 + levels * width
-        top = int(t.max())
+        top = int(t.max()) if lengths is None else max(lengths)
         dec._rope_to(top + levels + 1, cache)
-        cache.claim(t, m)  # by reference: every row's tree in its own storage
         k_all, v_all = cache.buffers(top + m)
         trunk, upper = range(dec.exit_layer), range(dec.exit_layer, dec.depth)
+        target = self._target()
+        # by reference, the call makes every row's tree slots its own (`KVCache.claim`)
         out = kernels.beam_draft(self.stack, head.kernel, self._embedding, x[:, 0].contiguous(), t, score.float(), items,
                                  levels, width, trunk, temperature, eos, *dec._rope, k_all, v_all, enc.keys, enc.values,
-                                 enc.cross_mask, enc.source, upper, ready, cache.table, self._target())
-        skipped = 0 if ready is None else int(ready.sum())
+                                 enc.cross_mask, enc.source, upper, ready, cache.table, target,
+                                 carried if target is not None else None)
+        skipped = 0 if ready is None else ready_count if lengths is not None else int(ready.sum())
         for i in range(dec.depth):  # every node once in every layer, but ready roots above the trunk
             dec.layer_evals[i] += out[4].numel() - (skipped if i >= dec.exit_layer else 0)
         return out
+
+    def commit_beams(
+        self, cache: KVCache, source: list[int], rows: list[int], src: list[int], dst: list[int], lengths: list[int],
+        tokens: list[int], node: list[int], scores: list[float], logprobs: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None] | None:
+        """The commit in one kernel call (`kernels.commit_beams`): some fifteen small tensor operations
+        otherwise, each slow right after the draft's call streamed every weight (~0.4 ms a cycle at width
+        512 on a Zen 3)."""
+        if not (cache.k.is_contiguous() and cache.v.is_contiguous() and logprobs.dtype == torch.float32
+                and len(source) == cache.rows):
+            return None
+        t, lengths_t, x, score, ready, carried = kernels.commit_beams(
+            cache.k, cache.v, cache.table, cache.high, source, rows, src, dst, lengths, tokens, node, scores,
+            self._embedding, logprobs if logprobs.is_contiguous() else logprobs.contiguous())
+        cache.crop(lengths_t)
+        return t, x, score, ready, carried
 
     def plain_steps(
         self, x: Tensor, pos: Tensor, steps: int, cfg: SamplingConfig, generator: torch.Generator | None,

@@ -1,7 +1,7 @@
 // A range of decoder layers in one call (`Stack`): the per-layer sequence of `Decoder._run_fused`
 // without Python in between, on weights checked once when the stack is built; each call checks its
 // arguments once and runs every layer on raw pointers into one workspace (no tensor per product).
-// Also the cache's beam reordering, and the module's Python bindings for every source file.
+// Also the module's Python bindings for every source file.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -29,6 +29,16 @@ std::vector<torch::Tensor> speculative_accept(const torch::Tensor& p, const torc
                                               const c10::optional<torch::Tensor>& limit);
 std::tuple<std::vector<std::vector<double>>, std::vector<std::vector<int64_t>>, torch::Tensor, torch::Tensor, torch::Tensor>
 beam_top(const torch::Tensor& scores, const torch::Tensor& logprobs, const std::vector<int64_t>& rows, int64_t n);  // beam.cpp
+// cache_ops.cpp
+void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high);
+void move_slots(const std::vector<torch::Tensor>& bufs, const torch::Tensor& rows, const torch::Tensor& src,
+                const torch::Tensor& dst, const c10::optional<torch::Tensor>& table);
+std::vector<torch::Tensor> commit_beams(const torch::Tensor& k, const torch::Tensor& v, const c10::optional<torch::Tensor>& table,
+                                        int64_t high, const std::vector<int64_t>& source, const std::vector<int64_t>& rows,
+                                        const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
+                                        const std::vector<int64_t>& lengths, const std::vector<int64_t>& tokens,
+                                        const std::vector<int64_t>& node, const std::vector<double>& scores,
+                                        const torch::Tensor& emb, const torch::Tensor& logprobs);
 
 namespace {
 
@@ -457,7 +467,7 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
                                       const torch::Tensor& enc_keys, const torch::Tensor& enc_values,
                                       const c10::optional<torch::Tensor>& cross_mask, const c10::optional<torch::Tensor>& enc_rows,
                                       const c10::optional<torch::Tensor>& ready, const c10::optional<torch::Tensor>& table,
-                                      const Head* target) {
+                                      const Head* target, const c10::optional<torch::Tensor>& carried) {
   TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat && x0.is_contiguous(), "x0: contiguous float32 (R, dim)");
   const int64_t R = x0.size(0), dim = x0.size(1);
   TORCH_CHECK(items > 0 && R % items == 0, "items: a divisor of the rows");
@@ -472,6 +482,8 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
               "ready: contiguous bool (R,)");
   const bool* done = ready ? ready->data_ptr<bool>() : nullptr;
   const int64_t M = 1 + levels * width;
+  TORCH_CHECK(!carried || (ready && target && carried->dim() == 2 && carried->size(0) == R && carried->is_contiguous() &&
+                           carried->scalar_type() == at::kFloat), "carried: contiguous float32 (R, V) with ready and target");
   const float inv_t = temperature == 1.0 ? 1.0f : float(1.0 / std::max(temperature, 1e-10));
   const auto lopt = t.options();
   auto hs = torch::zeros({R, M, dim}, x0.options());
@@ -482,6 +494,16 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = 0; i < M; ++i) anc[(r * M + i) * M + i] = true;
   const int64_t* tp = t.data_ptr<int64_t>();
+  if (table) {  // by reference: each row's tree slots t.. are its own from now on (`KVCache.claim`)
+    TORCH_CHECK(table->dim() == 2 && table->size(0) == R && table->is_contiguous() && table->scalar_type() == at::kLong,
+                "table: contiguous int64 (R, capacity)");
+    int64_t* tab = table->data_ptr<int64_t>();
+    const int64_t cap = table->size(1);
+    for (int64_t r = 0; r < R; ++r) {
+      TORCH_CHECK(0 <= tp[r] && tp[r] + M <= cap, "t: the tree's slots beyond the table");
+      std::fill(tab + r * cap + tp[r], tab + r * cap + tp[r] + M, r);
+    }
+  }
   std::vector<int64_t> count(R, 1), row(R), index(R, 0), parent(R, -1), token(R, 0), path(R * levels, 0);
   for (int64_t r = 0; r < R; ++r) row[r] = r;
   std::vector<float> lscore(score.data_ptr<float>(), score.data_ptr<float>() + R);  // the level's nodes' scores
@@ -646,121 +668,23 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
     // cycle otherwise, each slow right after a call that streamed every weight
     auto logits = (*target)(nodes);
     if (temperature != 1.0) logits = logits / std::max(temperature, 1e-10);
-    out.push_back(at::log_softmax(logits, -1).add_(logits.sum({-1}, true).mul_(0)));
+    auto logprobs = at::log_softmax(logits, -1).add_(logits.sum({-1}, true).mul_(0));
+    if (carried) {  // a ready root (node id = row) keeps the log-probs the last cycle gave it
+      TORCH_CHECK(carried->size(1) == logprobs.size(1), "carried: one row of log-probs per root");
+      const int64_t V = logprobs.size(1);
+      for (int64_t r = 0; r < R; ++r)
+        if (done[r]) std::copy(carried->data_ptr<float>() + r * V, carried->data_ptr<float>() + (r + 1) * V, logprobs.data_ptr<float>() + r * V);
+    }
+    out.push_back(logprobs);
   }
+  // what the caller reads on the host, in one tensor: row, parent, token (N each), path (N x levels), count (R)
+  std::vector<int64_t> host(row);
+  host.insert(host.end(), parent.begin(), parent.end());
+  host.insert(host.end(), token.begin(), token.end());
+  host.insert(host.end(), path.begin(), path.end());
+  host.insert(host.end(), count.begin(), count.end());
+  out.push_back(pack(host));
   return out;
-}
-
-// In place: rows r of t (layers, rows, heads, capacity, d) become rows index[r], slots below `high`
-// only. Rows that keep their place are not touched; sources are read before any row is written.
-void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
-  TORCH_CHECK(t.dim() == 5 && t.is_contiguous() && t.scalar_type() == at::kFloat && t.device().is_cpu(),
-              "t: contiguous float32 CPU (layers, rows, heads, capacity, d)");
-  const int64_t layers = t.size(0), rows = t.size(1), heads = t.size(2), cap = t.size(3), d = t.size(4);
-  TORCH_CHECK(index.dim() == 1 && index.size(0) == rows && index.scalar_type() == at::kLong, "index: int64 (rows,)");
-  TORCH_CHECK(0 <= high && high <= cap, "high out of range");
-  const auto idx = index.contiguous();
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  std::vector<int64_t> moved;
-  std::vector<char> is_moved(rows, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(0 <= ip[r] && ip[r] < rows, "index out of range");
-    if (ip[r] != r) moved.push_back(r), is_moved[r] = 1;
-  }
-  if (moved.empty() || high == 0) return;
-  // where no moved row is another's source (a speculative beam cycle's rows: they copy from rows that
-  // stay), each row is copied straight to its place: half the memory traffic of going through tmp
-  bool direct = true;
-  for (int64_t r : moved) direct = direct && !is_moved[ip[r]];
-  float* base = t.data_ptr<float>();
-  const int64_t span = high * d, row_stride = heads * cap * d;
-  // a thread per layer only when a layer's copies are large (a fork/join costs some microseconds)
-  const int64_t layer_bytes = int64_t(moved.size()) * heads * span * int64_t(sizeof(float));
-  at::parallel_for(0, layers, layer_bytes >= (1 << 18) ? 1 : layers, [&](int64_t l0, int64_t l1) {
-    if (direct) {
-      for (int64_t l = l0; l < l1; ++l) {
-        float* layer = base + l * rows * row_stride;
-        for (int64_t r : moved)
-          for (int64_t h = 0; h < heads; ++h) {
-            const float* src = layer + ip[r] * row_stride + h * cap * d;
-            std::copy(src, src + span, layer + r * row_stride + h * cap * d);
-          }
-      }
-      return;
-    }
-    std::vector<float> tmp(moved.size() * heads * span);
-    for (int64_t l = l0; l < l1; ++l) {
-      float* layer = base + l * rows * row_stride;
-      for (size_t m = 0; m < moved.size(); ++m)
-        for (int64_t h = 0; h < heads; ++h) {
-          const float* src = layer + ip[moved[m]] * row_stride + h * cap * d;
-          std::copy(src, src + span, tmp.data() + (m * heads + h) * span);
-        }
-      for (size_t m = 0; m < moved.size(); ++m)
-        for (int64_t h = 0; h < heads; ++h) {
-          const float* src = tmp.data() + (m * heads + h) * span;
-          std::copy(src, src + span, layer + moved[m] * row_stride + h * cap * d);
-        }
-    }
-  });
-}
-
-// In place, within each given row of the cache buffers (K and V: layers, rows, heads, capacity, d, all of
-// one shape): slots src[i, j] are copied to slots dst[i, j] of row rows[i], every layer and head; all
-// sources are read before any slot is written (overlapping src and dst are safe). table (rows', capacity)
-// int64 or none, a cache by reference: source slot [i, j] is read from row table[rows[i], src[i, j]], and
-// then table[rows[i], dst[i, j]] = rows[i] (the row reads its own storage there). A speculative beam
-// cycle's accepted path: a few slots of a few rows, where torch's indexing took ~0.3 ms of small kernels.
-void move_slots(const std::vector<torch::Tensor>& bufs, const torch::Tensor& rows, const torch::Tensor& src,
-                const torch::Tensor& dst, const c10::optional<torch::Tensor>& table) {
-  TORCH_CHECK(!bufs.empty(), "bufs: the cache's buffers");
-  for (const auto& t : bufs)
-    TORCH_CHECK(t.dim() == 5 && t.is_contiguous() && t.scalar_type() == at::kFloat && t.device().is_cpu() &&
-                t.sizes() == bufs[0].sizes(), "bufs: contiguous float32 CPU (layers, rows, heads, capacity, d), one shape");
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows: int64 (n,)");
-  TORCH_CHECK(src.dim() == 2 && src.sizes() == dst.sizes() && src.size(0) == rows.size(0) && src.scalar_type() == at::kLong &&
-              dst.scalar_type() == at::kLong, "src, dst: int64 (n, s), one row each per entry of rows");
-  const auto& t0 = bufs[0];
-  const int64_t layers = t0.size(0), n_rows = t0.size(1), heads = t0.size(2), cap = t0.size(3), d = t0.size(4);
-  const auto r = rows.contiguous(), sc = src.contiguous(), dc = dst.contiguous();
-  const int64_t *rp = r.data_ptr<int64_t>(), *sp = sc.data_ptr<int64_t>(), *dp = dc.data_ptr<int64_t>();
-  const int64_t n = rows.size(0), s = src.size(1);
-  int64_t* tab = nullptr;
-  int64_t tab_row = 0;
-  if (table) {
-    TORCH_CHECK(table->dim() == 2 && table->size(1) == cap && table->stride(1) == 1 && table->scalar_type() == at::kLong,
-                "table: int64 (rows, capacity), contiguous slots");
-    tab = table->data_ptr<int64_t>();
-    tab_row = table->stride(0);
-  }
-  std::vector<int64_t> from(n * s);  // the row each source slot is read from
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(0 <= rp[i] && rp[i] < n_rows && (!table || rp[i] < table->size(0)), "rows: out of range");
-    for (int64_t j = 0; j < s; ++j) {
-      TORCH_CHECK(0 <= sp[i * s + j] && sp[i * s + j] < cap && 0 <= dp[i * s + j] && dp[i * s + j] < cap, "slot out of range");
-      from[i * s + j] = tab ? tab[rp[i] * tab_row + sp[i * s + j]] : rp[i];
-      TORCH_CHECK(0 <= from[i * s + j] && from[i * s + j] < n_rows, "table: row out of range");
-    }
-  }
-  const int64_t row_stride = heads * cap * d;
-  std::vector<float> tmp(n * s * heads * d);
-  for (const auto& t : bufs) {
-    float* base = t.data_ptr<float>();
-    for (int64_t l = 0; l < layers; ++l) {
-      float* layer = base + l * n_rows * row_stride;
-      for (int64_t pass = 0; pass < 2; ++pass)  // 0: gather every source, 1: write every destination
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t j = 0; j < s; ++j)
-            for (int64_t h = 0; h < heads; ++h) {
-              const int64_t row = pass ? rp[i] : from[i * s + j];
-              float* slot = layer + row * row_stride + h * cap * d + (pass ? dp : sp)[i * s + j] * d;
-              float* kept = tmp.data() + ((i * s + j) * heads + h) * d;
-              if (pass) std::copy(kept, kept + d, slot); else std::copy(slot, slot + d, kept);
-            }
-    }
-  }
-  for (int64_t i = 0; tab && i < n; ++i)
-    for (int64_t j = 0; j < s; ++j) tab[rp[i] * tab_row + dp[i * s + j]] = rp[i];
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -778,6 +702,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("beam_top", &beam_top, "a beam step's ranked candidates per item, and its new beams' rows, tokens and scores");
   m.def("fingerprint", &fingerprint, "two 64-bit sums of each tensor's bytes (None unless all on the CPU)");
   m.def("reorder_rows", &reorder_rows, "in place: cache rows r become rows index[r] (slots below high)");
+  m.def("commit_beams", &commit_beams, "a speculative beam cycle's commit: cache rows reordered, accepted paths moved, the next cycle's inputs");
   m.def("move_slots", &move_slots, "in place: slots src of given cache rows (where a slot table points) copied to slots dst (every buffer, layer, head)");
   py::class_<Stack>(m, "Stack")
       .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t>())
