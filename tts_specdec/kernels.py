@@ -357,11 +357,11 @@ def commit_beams(
     k: Tensor, v: Tensor, table: Tensor | None, high: int, source: list[int], rows: list[int], src: list[int],
     dst: list[int], lengths: list[int], tokens: list[int], node: list[int], scores: list[float], emb: Tensor,
     logprobs: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """A speculative beam cycle's commit in one call (csrc/cache_ops.cpp), on the float32 CPU cache buffers
     k, v (layers, R, heads, capacity, d) and slot table (or None): the cache's rows become rows `source` of
     the old ones, then within new row rows[i] the R x s slots src move to dst (as `move_slots`). Returns,
-    by new row: its pending input's slot t (its item's `lengths` entry), the same again for the cache, x
+    by new row: its pending input's slot t (its item's `lengths` entry: also the cache's new lengths), x
     (R, 1, dim) = emb[tokens], the scores (R,) float32 (new beam i's at row rows[i]), and where some node
     is >= 0, ready = node >= 0 and carried = logprobs[node] (else None, None)."""
     return tuple(_module.commit_beams(k, v, table, high, source, rows, src, dst, lengths, tokens, node, scores, emb, logprobs))

@@ -229,8 +229,8 @@ def draft(
     score = live.score  # (R,) target scores of the live beams, by root row
     blocked = eos if eos is not None and live.states[0].semantics == "standard" else None
     whole = None if guided or static else dec.backend.beam_draft(
-        live.x, t, score, a_n, levels, width, temperature, blocked, live.enc, cache, live.ready, live.carried,
-        live.lengths, live.ready_count)
+        live.x, t, score, a_n, levels, width, temperature, blocked, live.enc, cache, live.lengths, live.ready,
+        live.carried, live.ready_count)
     if whole is not None:  # the backend drafted the whole tree, and passed over it, in one call
         hs, anc, depth, count, row, index, parent, token, path, verified, logprobs, host = whole
         row_l, children, path_l, count_l = _read_tree(r_n, row.numel(), levels, host.tolist(), counted=True)

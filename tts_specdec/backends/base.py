@@ -89,16 +89,16 @@ class Backend:
 
     def beam_draft(
         self, x: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int, temperature: float,
-        eos: int | None, enc: Encoded, cache: KVCache, ready: Tensor | None = None, carried: Tensor | None = None,
-        lengths: list[int] | None = None, ready_count: int = 0,
+        eos: int | None, enc: Encoded, cache: KVCache, lengths: list[int], ready: Tensor | None = None,
+        carried: Tensor | None = None, ready_count: int = 0,
     ) -> tuple[Tensor, ...] | None:
         """A speculative beam cycle's whole draft and verify pass in one call, where the backend has one
         (unguided): the exit head's beam search for `levels` levels of `width` nodes per item from the roots
         x (R, 1, dim) at slots t (R,) with scores `score` (R,), R = items x beams, every node kept, then the
         layers above the exit over every node but the `ready` roots (R,) bool, whose K/V at slot t it leaves
         as they are, and whose log-probs are their rows of `carried` (`kernels.beam_draft` says what it
-        returns). `lengths` (the items' lengths) and `ready_count` are t's and ready's values the caller
-        holds on the host. None: `spec_beam.draft` builds the tree level by level and `spec_beam.verify`
+        returns). `lengths` (the items' lengths) and `ready_count` (ready's True count) are what t and
+        ready hold, as the caller has them on the host. None: `spec_beam.draft` builds the tree level by level and `spec_beam.verify`
         passes over it instead."""
         return None
 

@@ -79,8 +79,8 @@ class CpuKernels(TorchEager):
 
     def beam_draft(
         self, x: Tensor, t: Tensor, score: Tensor, items: int, levels: int, width: int, temperature: float,
-        eos: int | None, enc: Encoded, cache: KVCache, ready: Tensor | None = None, carried: Tensor | None = None,
-        lengths: list[int] | None = None, ready_count: int = 0,
+        eos: int | None, enc: Encoded, cache: KVCache, lengths: list[int], ready: Tensor | None = None,
+        carried: Tensor | None = None, ready_count: int = 0,
     ) -> tuple[Tensor, ...] | None:
         """The draft and the verify pass in one kernel call (`kernels.beam_draft`): some 90 small tensor
         operations and a count read back per level in `spec_beam.draft` and `verify`, each costing ~10-20
@@ -91,7 +91,7 @@ class CpuKernels(TorchEager):
         if levels < 1 or head.kernel is None or x.dtype != torch.float32:
             return None
         m = 1 + levels * width
-        top = int(t.max()) if lengths is None else max(lengths)
+        top = max(lengths)
         dec._rope_to(top + levels + 1, cache)
         k_all, v_all = cache.buffers(top + m)
         trunk, upper = range(dec.exit_layer), range(dec.exit_layer, dec.depth)
@@ -101,9 +101,8 @@ class CpuKernels(TorchEager):
                                  levels, width, trunk, temperature, eos, *dec._rope, k_all, v_all, enc.keys, enc.values,
                                  enc.cross_mask, enc.source, upper, ready, cache.table, target,
                                  carried if target is not None else None)
-        skipped = 0 if ready is None else ready_count if lengths is not None else int(ready.sum())
         for i in range(dec.depth):  # every node once in every layer, but ready roots above the trunk
-            dec.layer_evals[i] += out[4].numel() - (skipped if i >= dec.exit_layer else 0)
+            dec.layer_evals[i] += out[4].numel() - (ready_count if i >= dec.exit_layer else 0)
         return out
 
     def commit_beams(
@@ -113,13 +112,12 @@ class CpuKernels(TorchEager):
         """The commit in one kernel call (`kernels.commit_beams`): some fifteen small tensor operations
         otherwise, each slow right after the draft's call streamed every weight (~0.4 ms a cycle at width
         512 on a Zen 3)."""
-        if not (cache.k.is_contiguous() and cache.v.is_contiguous() and logprobs.dtype == torch.float32
-                and len(source) == cache.rows):
+        if not (cache.k.is_contiguous() and cache.v.is_contiguous() and logprobs.dtype == torch.float32):
             return None
-        t, lengths_t, x, score, ready, carried = kernels.commit_beams(
+        t, x, score, ready, carried = kernels.commit_beams(
             cache.k, cache.v, cache.table, cache.high, source, rows, src, dst, lengths, tokens, node, scores,
-            self._embedding, logprobs if logprobs.is_contiguous() else logprobs.contiguous())
-        cache.crop(lengths_t)
+            self._embedding, logprobs.contiguous())
+        cache.crop(t)  # never changed in place: the next cycle's slots and the cache's lengths share it
         return t, x, score, ready, carried
 
     def plain_steps(

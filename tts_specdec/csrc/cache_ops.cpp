@@ -60,12 +60,6 @@ void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
   });
 }
 
-// In place, within each given row of the cache buffers (K and V: layers, rows, heads, capacity, d, all of
-// one shape): slots src[i, j] are copied to slots dst[i, j] of row rows[i], every layer and head; all
-// sources are read before any slot is written (overlapping src and dst are safe). table (rows', capacity)
-// int64 or none, a cache by reference: source slot [i, j] is read from row table[rows[i], src[i, j]], and
-// then table[rows[i], dst[i, j]] = rows[i] (the row reads its own storage there). A speculative beam
-// cycle's accepted path: a few slots of a few rows, where torch's indexing took ~0.3 ms of small kernels.
 namespace {
 
 // move_slots' work on raw indexes: n rows rp, s slots each (sp, dp: n * s); tab (or null) the slot table.
@@ -126,6 +120,12 @@ int64_t* table_of(const c10::optional<torch::Tensor>& table, int64_t cap) {
 
 }  // namespace
 
+// In place, within each given row of the cache buffers (K and V: layers, rows, heads, capacity, d, all of
+// one shape): slots src[i, j] are copied to slots dst[i, j] of row rows[i], every layer and head; all
+// sources are read before any slot is written (overlapping src and dst are safe). table (rows', capacity)
+// int64 or none, a cache by reference: source slot [i, j] is read from row table[rows[i], src[i, j]], and
+// then table[rows[i], dst[i, j]] = rows[i] (the row reads its own storage there). A speculative beam
+// cycle's accepted path: a few slots of a few rows, where torch's indexing took ~0.3 ms of small kernels.
 void move_slots(const std::vector<torch::Tensor>& bufs, const torch::Tensor& rows, const torch::Tensor& src,
                 const torch::Tensor& dst, const c10::optional<torch::Tensor>& table) {
   TORCH_CHECK(!bufs.empty(), "bufs: the cache's buffers");
@@ -143,10 +143,10 @@ void move_slots(const std::vector<torch::Tensor>& bufs, const torch::Tensor& row
 // after a call that streamed every weight (~0.4 ms a cycle at width 512 on a Zen 3). In place, the
 // cache's R rows become rows `source` of the old ones (a slot table's rows, else the K/V below `high`,
 // `reorder_rows`); then within new row rows[i] the slots src[i] move to dst[i] (R x s each, `move_slots`).
-// Returns, by new row: t (R,) the slot of its pending input (its item's length, `lengths` per item), the
-// same values again (the cache's lengths), x (R, 1, dim) = emb[tokens], score (R,) float32 (new beam i's
-// `scores[i]` at row rows[i]), and, where some node[r] >= 0, ready (R,) = node >= 0 and carried (R, V) =
-// logprobs[node] (else both undefined: None).
+// Returns, by new row: t (R,) the slot of its pending input (its item's length, `lengths` per item: also
+// the cache's new lengths), x (R, 1, dim) = emb[tokens], score (R,) float32 (new beam i's `scores[i]` at
+// row rows[i]), and, where some node[r] >= 0, ready (R,) = node >= 0 and carried (R, V) = logprobs[node]
+// (else both undefined: None).
 std::vector<torch::Tensor> commit_beams(const torch::Tensor& k, const torch::Tensor& v, const c10::optional<torch::Tensor>& table,
                                         int64_t high, const std::vector<int64_t>& source, const std::vector<int64_t>& rows,
                                         const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
@@ -204,5 +204,5 @@ std::vector<torch::Tensor> commit_beams(const torch::Tensor& k, const torch::Ten
       std::copy(from, from + V, carried.data_ptr<float>() + r * V);
     }
   }
-  return {t, t.clone(), x, score, ready, carried};
+  return {t, x, score, ready, carried};
 }
