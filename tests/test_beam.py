@@ -328,3 +328,45 @@ def test_kernel_ranking_breaks_ties_to_the_lower_index():
     logprobs = torch.tensor([[0.5, 0.1, 0.5], [0.5, 0.1, 0.1]]).log()
     values, index, *_ = kernels.beam_top(scores, logprobs, None, 4)
     assert index == [[0, 2, 3, 1]]  # three at log 0.5 by flat index, then the first log 0.1
+
+
+@pytest.mark.parametrize("seed, vocab, eos, batch, beam_size, length_penalty, temperature, max_length", [
+    (2, 24, True, 3, 4, 1.0, 1.0, 40),  # items that finish at different steps, then rows dropped
+    (3, 60, True, 3, 4, 0.0, 1.0, 40),  # an item done in a step without EOS among its best (`_worst`)
+    (2, 24, True, 4, 3, 0.0, 0.7, 12),  # cut by max_length, a temperature
+    (2, 24, False, 1, 2, 1.0, 1.0, 300),  # past the cache's first capacity (257 slots): it grows between calls
+])
+def test_kernels_fused_beam_steps_equal_the_step_by_step_loop(monkeypatch, seed, vocab, eos, batch, beam_size,
+                                                             length_penalty, temperature, max_length):
+    """On the kernels (standard semantics, unguided) plain beam search takes the steps that need no decision
+    (no EOS or non-finite value among an item's K best, no item possibly done) in one call
+    (`Backend.beam_steps`), and the others through `verify` and `beam_step`: the same hypotheses and scores
+    as every step through `verify` and `beam_step`."""
+    from tts_specdec.backends.base import Backend
+    from tts_specdec.backends.kernels_cpu import CpuKernels
+
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
+    taken, at_capacity = [], []
+    inner = kernels.beam_steps
+
+    def counted(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        taken.append(out[0].shape[0])
+        at_capacity.append(out[3] is None)
+        return out
+
+    monkeypatch.setattr(kernels, "beam_steps", counted)
+    dec = SpeculativeDecoder(make_model(seed, dim=64, heads=4, dim_head=16, semantic_vocab=vocab, eos=eos))
+    source = make_source(batch, 8, seed=4, lengths=[8, 3, 5, 6][:batch] if batch > 1 else None)
+    kw = dict(gamma=0, beam_size=beam_size, length_penalty=length_penalty, temperature=temperature, max_length=max_length)
+    fused = dec.beam_search(source, **kw)
+    assert dec.decoder.backend.name == "kernels" and sum(taken) > 0
+    assert any(at_capacity) == (max_length > 257)
+    monkeypatch.setattr(CpuKernels, "beam_steps", Backend.beam_steps)
+    stepped = dec.beam_search(source, **kw)
+    assert [t.tolist() for t in fused.tokens] == [t.tolist() for t in stepped.tokens]
+    assert fused.scores == stepped.scores
+    assert (fused.stats.steps, fused.stats.beam_steps) == (stepped.stats.steps, stepped.stats.beam_steps)
+    if not eos:
+        assert all(len(t) == max_length for t in fused.tokens)

@@ -92,6 +92,14 @@ class BeamState:
     def active(self) -> int:
         return len(self.items)
 
+    def advance(self, taken: Tensor, scores: Tensor) -> None:
+        """Steps whose new beams were their K best candidates, taken by `Backend.beam_steps`: taken
+        (steps, 2, rows) int64 each new beam's parent row and token, `scores` (active, K) after them."""
+        for parents, tokens in taken.tolist():
+            self.history = [self.history[p] + [tk] for p, tk in zip(parents, tokens)]
+        self.length += taken.shape[0]
+        self.scores = scores
+
     def _add_finished(self, item: int, score: float, tokens: list[int]) -> None:
         heap = self.finished[item]
         self._tie += 1
@@ -286,6 +294,13 @@ def _upstream_step(state: BeamState, logprobs: Tensor, last: bool) -> StepOutput
     return StepOutput(parents, tokens, None, host)
 
 
+def _worst(state: BeamState) -> Tensor:
+    """(active,) float64: each active item's worst finished score where it has K finished hypotheses
+    (`_is_done` compares its best live beam with it), else -inf."""
+    return torch.tensor([heap[0][0] if len(heap) == state.beam_size else -math.inf
+                         for heap in (state.finished[i] for i in state.items)], dtype=torch.float64)
+
+
 def _raise_nonfinite(state: BeamState, logprobs: Tensor) -> None:
     """`NonFiniteLogits` for the first item (in row order) with a live beam whose log-probs (active, K, V)
     hold NaN (`step_logprobs` makes a row NaN where its logits were not all finite)."""
@@ -364,10 +379,26 @@ def beam_search_loop(
     layers = range(dec.depth)
     x = dec.start(enc.rows)
     steps = 0
-    for t in range(max_length):
+    fused = semantics == "standard" and not guided  # `Backend.beam_steps` may take the steps that need no decision
+    t = 0
+    while t < max_length:
         cache.grow(t + 1)
-        logits = dec.backend.verify(x, t, layers, enc, cache)[:, -1]
-        out = beam_step(state, step_logprobs(logits, cond_scale, temperature), last=t + 1 == max_length)
+        ran = dec.backend.beam_steps(x, t, max_length - 1 - t, state.scores, _worst(state), state.length,
+                                     length_penalty, temperature, dec.eos_id, enc, cache) if fused else None
+        if ran is None:
+            logprobs = step_logprobs(dec.backend.verify(x, t, layers, enc, cache)[:, -1], cond_scale, temperature)
+        else:
+            taken, scores, x, logprobs = ran
+            if taken.shape[0]:
+                state.advance(taken, scores)
+                t += taken.shape[0]
+                steps += taken.shape[0]
+                if progress is not None:
+                    progress(steps)
+            if logprobs is None:  # the cache's capacity stopped it
+                continue
+        out = beam_step(state, logprobs, last=t + 1 == max_length)
+        t += 1
         steps += 1
         if progress is not None:
             progress(steps)

@@ -337,6 +337,27 @@ def beam_draft(
     return out if target is not None else out[:-1] + (None, out[-1])
 
 
+def beam_steps(
+    stack: Stack, target: Head, emb: Tensor, x0: Tensor, t: int, limit: int, scores: Tensor, worst: Tensor, length: int,
+    length_penalty: float, temperature: float, eos: int | None, layers: range, cos: Tensor, sin: Tensor, k_all: Tensor,
+    v_all: Tensor, table: Tensor, enc_keys: Tensor, enc_values: Tensor, cross_mask: Tensor | None,
+    enc_rows: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Plain beam search steps in one call (csrc/layers.cpp; standard semantics, unguided, a cache by
+    reference `table`) from x0 (R, dim) at slot t of every row, while each step's new beams are its K
+    best candidates (none EOS or non-finite, no item possibly done against `worst` (items,) float64, the
+    worst finished score of an item with K finished hypotheses, else -inf); the step `limit` steps on is
+    never taken. Returns (parents and tokens of the steps taken (taken, 2, R), the scores after them
+    (items, K) float64, the next inputs (R, 1, dim), the log-probs (R, V) of the step that stopped the
+    call, already through the layers, or None where the cache's capacity did)."""
+    if layers.start != 0:
+        raise ValueError("beam steps start at layer 0")
+    steps, scores, x, pending = _module.beam_steps(
+        stack._stack, target._head, emb, x0, t, limit, scores, worst, length, length_penalty, temperature,
+        -1 if eos is None else eos, layers.stop, cos, sin, k_all, v_all, table, enc_keys, enc_values, cross_mask, enc_rows)
+    return steps, scores, x, pending
+
+
 def filtered_probs(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> Tensor:
     """softmax(logits / temperature) after top-k and top-p as `sampling.filter_logits` filters them, for
     logits (rows, V) float32 on the CPU, in one call (csrc/layers.cpp, shared with the draft phase)."""

@@ -102,6 +102,16 @@ class Backend:
         passes over it instead."""
         return None
 
+    def beam_steps(
+        self, x: Tensor, t: int, limit: int, scores: Tensor, worst: Tensor, length: int, length_penalty: float,
+        temperature: float, eos: int | None, enc: Encoded, cache: KVCache,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+        """Plain beam search's steps in one call, where the backend has one (standard semantics, unguided,
+        a cache by reference): from each row's input x (R, 1, dim) at slot t, every step whose new beams
+        are its K best candidates (`kernels.beam_steps` says which, and what it returns), up to but not
+        including step `limit`. None: `beam.beam_search_loop` steps through `verify` and `beam_step`."""
+        return None
+
     def commit_beams(
         self, cache: KVCache, source: list[int], rows: list[int], src: list[int], dst: list[int], lengths: list[int],
         tokens: list[int], node: list[int], scores: list[float], logprobs: Tensor,

@@ -105,6 +105,29 @@ class CpuKernels(TorchEager):
             dec.layer_evals[i] += out[4].numel() - (ready_count if i >= dec.exit_layer else 0)
         return out
 
+    def beam_steps(
+        self, x: Tensor, t: int, limit: int, scores: Tensor, worst: Tensor, length: int, length_penalty: float,
+        temperature: float, eos: int | None, enc: Encoded, cache: KVCache,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+        """Beam steps in one kernel call (`kernels.beam_steps`): the head, log-softmax, ranking, slot
+        table reorder and embedding of each step were ~2 ms of small operations beside a 14 ms layer pass
+        at width 512 on a Zen 3, each slow right after the pass streamed every weight."""
+        dec = self.dec
+        target = self._target()
+        if target is None or cache.table is None or enc.guided or x.dtype != torch.float32:
+            return None
+        dec._rope_to(min(t + limit + 1, cache.capacity), cache)
+        k_all, v_all = cache.buffers(t + 1)
+        steps, scores, x, pending = kernels.beam_steps(
+            self.stack, target, self._embedding, x[:, 0].contiguous(), t, limit, scores, worst, length, length_penalty,
+            temperature, eos, range(dec.depth), *dec._rope, k_all, v_all, cache.table, enc.keys, enc.values,
+            enc.cross_mask, enc.source)
+        ran = steps.shape[0] + (pending is not None)
+        cache.buffers(t + ran)  # what the call wrote: slots below t + ran
+        for i in range(dec.depth):
+            dec.layer_evals[i] += x.shape[0] * ran
+        return steps, scores, x, pending
+
     def commit_beams(
         self, cache: KVCache, source: list[int], rows: list[int], src: list[int], dst: list[int], lengths: list[int],
         tokens: list[int], node: list[int], scores: list[float], logprobs: Tensor,

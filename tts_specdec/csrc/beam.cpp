@@ -11,6 +11,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels.h"
+
 using Ranked = std::tuple<std::vector<std::vector<double>>, std::vector<std::vector<int64_t>>, torch::Tensor,
                           torch::Tensor, torch::Tensor>;
 
@@ -45,6 +47,19 @@ void rank(const double* scores, const T* lp, int64_t ld, const std::vector<int64
 }
 
 }  // namespace
+
+namespace tts {
+
+// `rank` for float32 log-probs, row r for beam r, into flat (a, n) outputs (`beam_steps` in layers.cpp)
+void beam_rank(const double* scores, const float* lp, int64_t ld, int64_t a, int64_t k, int64_t V, int64_t n, double* values,
+               int64_t* index) {
+  std::vector<std::vector<double>> vals(a);
+  std::vector<std::vector<int64_t>> idx(a);
+  rank(scores, lp, ld, {}, a, k, V, n, vals, idx);
+  for (int64_t i = 0; i < a; ++i) std::copy(vals[i].begin(), vals[i].end(), values + i * n), std::copy(idx[i].begin(), idx[i].end(), index + i * n);
+}
+
+}  // namespace tts
 
 // scores (a, k) float64: the live beams' summed log-probs; logprobs (N, V) float32 or float64 on the CPU,
 // rows of unit stride; rows: beam r's row of logprobs (empty: row r); n <= k * V candidates per item.

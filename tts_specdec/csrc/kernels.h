@@ -84,4 +84,10 @@ struct SourceView {
 void cross_attention(const float* q, int64_t rows, int64_t n, int64_t h, int64_t d, const SourceView& src, float* out,
                      const uint8_t* live = nullptr);
 
+// A beam step's ranking (csrc/beam.cpp, as `beam_top`): per item i the n best of float(scores[i * k + j]) +
+// lp[(i * k + j) * ld + v], NaN first, then by value, ties to the lower flat index j * V + v; values and
+// index (a, n).
+void beam_rank(const double* scores, const float* lp, int64_t ld, int64_t a, int64_t k, int64_t V, int64_t n, double* values,
+               int64_t* index);
+
 }  // namespace tts

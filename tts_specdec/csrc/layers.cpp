@@ -687,6 +687,108 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   return out;
 }
 
+// Plain beam search's steps (`beam.beam_search_loop`: standard semantics, unguided, a cache by reference)
+// in one call, for as long as each step is one that `beam.beam_step` takes without a decision: the K best
+// candidates of every item are finite and none is EOS, and no item can be done. Such a step's new beams
+// are its K best candidates, so the call takes them itself: the step's layers, the target head and
+// `beam.step_logprobs` in the same ATen ops as the Python loop (the same bits), the ranking of `beam_top`,
+// then the slot tables' rows reordered and the next inputs embedded. At width 512 on a Zen 3 those were
+// some 2 ms of small operations a step beside the 14 ms layer pass, each slow right after the weights
+// streamed through the caches.
+// From x0 (R, dim), R = items x K rows (item-major), the inputs at slot t0 of every row; scores (a, K)
+// float64 the live beams' scores; worst (a,) float64: the worst finished score of an item with K
+// finished hypotheses, else -inf; length: the beams' length before the first step; limit: the step index
+// (0 = the step at t0) that is never taken here (`max_length`'s last step: the caller finalises it).
+// A step the caller must decide, or the step at limit, stops the call with that step's log-probs
+// (its K/V already written, as `Backend.verify` leaves them); the end of the cache's capacity stops it
+// before the step. Returns the steps taken as int64 (taken, 2, R) (each new beam's parent row and
+// token), the scores after them (a, K) float64, the next inputs (R, 1, dim), and the stopping step's
+// log-probs (R, V) or none.
+std::vector<torch::Tensor> beam_steps(const Stack& stack, const Head& target, const torch::Tensor& emb, const torch::Tensor& x0,
+                                      int64_t t0, int64_t limit, const torch::Tensor& scores0, const torch::Tensor& worst,
+                                      int64_t length, double length_penalty, double temperature, int64_t eos, int64_t last,
+                                      const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_all,
+                                      const torch::Tensor& v_all, const torch::Tensor& table, const torch::Tensor& enc_keys,
+                                      const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask,
+                                      const c10::optional<torch::Tensor>& enc_rows) {
+  TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat && x0.is_contiguous(), "x0: contiguous float32 (R, dim)");
+  TORCH_CHECK(scores0.dim() == 2 && scores0.scalar_type() == at::kDouble && scores0.is_contiguous() &&
+              scores0.numel() == x0.size(0), "scores: contiguous float64 (items, K), one per row");
+  const int64_t R = x0.size(0), dim = x0.size(1), a = scores0.size(0), K = scores0.size(1);
+  TORCH_CHECK(worst.dim() == 1 && worst.size(0) == a && worst.scalar_type() == at::kDouble && worst.is_contiguous(),
+              "worst: contiguous float64 (items,)");
+  TORCH_CHECK(emb.dim() == 2 && emb.size(1) == dim && emb.is_contiguous() && emb.scalar_type() == at::kFloat,
+              "emb: contiguous float32 (tokens, dim)");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == R && table.is_contiguous() && table.scalar_type() == at::kLong,
+              "table: contiguous int64 (R, capacity)");
+  const int64_t cap = table.size(1);
+  TORCH_CHECK(0 <= t0 && t0 < cap && limit >= 0 && length >= 0 && temperature >= 0.0, "t0 within the cache, limit, length, temperature >= 0");
+  int64_t* tab = table.data_ptr<int64_t>();
+  const double* w = worst.data_ptr<double>();
+  const c10::optional<torch::Tensor> none;
+  auto x = x0;
+  auto scores = scores0.clone();
+  auto slots = torch::empty({R, 1}, table.options());
+  std::vector<int64_t> host;  // per step taken: parents (R), then tokens (R)
+  std::vector<double> values;
+  std::vector<int64_t> index;
+  std::vector<int64_t> old;
+  torch::Tensor pending;
+  for (int64_t d = 0; t0 + d < cap; ++d) {
+    const int64_t s = t0 + d;
+    for (int64_t r = 0; r < R; ++r) tab[r * cap + s] = r;  // the slot each row writes is its own (`KVCache.claim`)
+    slots.fill_(s);
+    auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, table, none, s + 1, enc_keys, enc_values, cross_mask,
+                       enc_rows, none);
+    auto logits = target(h);
+    if (temperature != 1.0) logits = logits / std::max(temperature, 1e-10);
+    auto logprobs = at::log_softmax(logits, -1).add_(logits.sum({-1}, true).mul_(0));
+    if (d == limit) {
+      pending = logprobs;
+      break;
+    }
+    const int64_t V = logprobs.size(1), n = std::min(2 * K, K * V);
+    values.resize(a * n);
+    index.resize(a * n);
+    tts::beam_rank(scores.data_ptr<double>(), logprobs.data_ptr<float>(), logprobs.stride(0), a, K, V, n, values.data(), index.data());
+    // the decisions `beam_step` takes in Python: an EOS or a non-finite value among the K best; an item
+    // that may be done (its best live beam normalised no better than its worst finished hypothesis; with a
+    // margin, so that a rounding of the power never keeps a done item here)
+    const double norm = std::pow(double(length + d + 1), length_penalty);
+    bool plain = true;
+    for (int64_t i = 0; i < a && plain; ++i) {
+      for (int64_t j = 0; j < K; ++j) plain = plain && std::isfinite(values[i * n + j]) && index[i * n + j] % V != eos;
+      plain = plain && !(std::isfinite(w[i]) && values[i * n] / norm <= w[i] + 1e-9 * (1.0 + std::fabs(w[i])));
+    }
+    if (!plain) {
+      pending = logprobs;
+      break;
+    }
+    const size_t at = host.size();
+    host.resize(at + 2 * R);
+    int64_t *parent = host.data() + at, *token = parent + R;
+    double* sp = scores.data_ptr<double>();
+    bool moved = false;
+    for (int64_t i = 0; i < a; ++i)
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t f = index[i * n + j], r = i * K + j;
+        parent[r] = i * K + f / V, token[r] = f % V, sp[r] = values[i * n + j];
+        moved = moved || parent[r] != r;
+      }
+    if (moved) {  // rows become their parents: the slot tables' written part (`KVCache.reorder`)
+      old.assign(tab, tab + R * cap);
+      for (int64_t r = 0; r < R; ++r)
+        std::copy(old.begin() + parent[r] * cap, old.begin() + parent[r] * cap + s + 1, tab + r * cap);
+    }
+    x = torch::empty({R, dim}, x0.options());
+    for (int64_t r = 0; r < R; ++r)
+      std::copy(emb.data_ptr<float>() + token[r] * dim, emb.data_ptr<float>() + (token[r] + 1) * dim, x.data_ptr<float>() + r * dim);
+  }
+  const int64_t taken = int64_t(host.size()) / (2 * R);
+  auto steps = torch::from_blob(host.data(), {taken, 2, R}, table.options()).clone();
+  return {steps, scores, x.view({R, 1, dim}), pending};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, "x @ W (+ bias) (+ residual), W packed in 16-column panels, x optionally row-normalised");
   m.def("set_isa", &tts::set_isa, "the products' tiles: 'auto', 'avx512', 'avx2', or '' to ask which run");
@@ -697,6 +799,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &Head::operator(), "logits of hidden states (tokens, dim)");
   m.def("filtered_probs", &filtered_probs, "softmax(logits / temperature) after top-k / top-p, row by row");
   m.def("decode_steps", &decode_steps, "gamma decoding steps per row in one call: a draft phase, or a run of plain sampling");
+  m.def("beam_steps", &beam_steps, "plain beam search steps while each step's new beams are its K best candidates");
   m.def("beam_draft", &beam_draft, "a speculative beam cycle's draft tree: levels of the exit head's beam search, every node kept");
   m.def("speculative_accept", &speculative_accept, "Leviathan et al.'s accept rule for one cycle of every row");
   m.def("beam_top", &beam_top, "a beam step's ranked candidates per item, and its new beams' rows, tokens and scores");
