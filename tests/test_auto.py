@@ -643,6 +643,28 @@ def test_cost_models_stay_valid_on_a_jittery_clock(monkeypatch, sources, seed):
     assert beam.step > 0 and min(beam.cycles) > 0
 
 
+@pytest.mark.parametrize("seconds, length", [(1e-9, measure.BEAM_PROBE_LENGTH), (1e3, measure.BEAM_PROBE_MAX_LENGTH)])
+def test_beam_probe_searches_last_longer_where_steps_are_cheap(monkeypatch, seconds, length):
+    """The beam probe's timed searches last BEAM_PROBE_LENGTH steps, more where that many plain steps take
+    less than BEAM_PROBE_SECONDS (attention over the cache weighs in a cycle only past a few steps), at most
+    BEAM_PROBE_MAX_LENGTH; the first, untimed, search is BEAM_PROBE_LENGTH steps long."""
+    from tts_specdec import spec_beam
+
+    asked = []
+    plain, spec = measure.beam_search_loop, spec_beam.spec_beam_search_loop
+    monkeypatch.setattr(measure, "beam_search_loop", lambda *a, **kw: asked.append(("plain", kw["max_length"])) or plain(*a, **kw))
+    monkeypatch.setattr(spec_beam, "spec_beam_search_loop",
+                        lambda *a, **kw: asked.append(("spec", kw["max_length"])) or spec(*a, **kw))
+    monkeypatch.setattr(measure, "BEAM_PROBE_SECONDS", seconds)
+    dec = SpeculativeDecoder(make_model(0, semantic_vocab=40, eos=False))
+    dec.decoder.begin()
+    with torch.inference_mode():
+        measure.measure_beam(dec.decoder, 2, 4)
+    assert asked[0] == ("plain", measure.BEAM_PROBE_LENGTH)
+    assert set(asked[1:]) == {("plain", length), ("spec", length)}
+    assert len(asked) == 1 + (measure.BEAM_REPS + 1) * (1 + len(measure.BEAM_GAMMAS))
+
+
 def test_measuring_changes_no_counter_and_no_output(sources, costs):
     model = make_model(0)
     dec = SpeculativeDecoder(model)
