@@ -330,18 +330,21 @@ def test_kernel_ranking_breaks_ties_to_the_lower_index():
     assert index == [[0, 2, 3, 1]]  # three at log 0.5 by flat index, then the first log 0.1
 
 
-@pytest.mark.parametrize("seed, vocab, eos, batch, beam_size, length_penalty, temperature, max_length", [
-    (2, 24, True, 3, 4, 1.0, 1.0, 40),  # items that finish at different steps, then rows dropped
-    (3, 60, True, 3, 4, 0.0, 1.0, 40),  # an item done in a step without EOS among its best (`_worst`)
-    (2, 24, True, 4, 3, 0.0, 0.7, 12),  # cut by max_length, a temperature
-    (2, 24, False, 1, 2, 1.0, 1.0, 300),  # past the cache's first capacity (257 slots): it grows between calls
+@pytest.mark.parametrize("semantics, seed, vocab, eos, batch, beam_size, length_penalty, temperature, max_length", [
+    ("standard", 2, 24, True, 3, 4, 1.0, 1.0, 40),  # items that finish at different steps, then rows dropped
+    ("standard", 3, 60, True, 3, 4, 0.0, 1.0, 40),  # an item done in a step without EOS among its best (`_worst`)
+    ("standard", 2, 24, True, 4, 3, 0.0, 0.7, 12),  # cut by max_length, a temperature
+    ("standard", 2, 24, False, 1, 2, 1.0, 1.0, 300),  # past the cache's first capacity (257 slots): it grows
+    ("upstream", 2, 24, True, 3, 4, 1.0, 1.0, 40),  # every beam ended: the items stop together
+    ("upstream", 3, 60, True, 2, 3, 1.0, 0.7, 12),  # cut by max_length, a temperature
+    ("upstream", 2, 24, False, 1, 2, 1.0, 1.0, 300),
 ])
-def test_kernels_fused_beam_steps_equal_the_step_by_step_loop(monkeypatch, seed, vocab, eos, batch, beam_size,
-                                                             length_penalty, temperature, max_length):
-    """On the kernels (standard semantics, unguided) plain beam search takes the steps that need no decision
-    (no EOS or non-finite value among an item's K best, no item possibly done) in one call
-    (`Backend.beam_steps`), and the others through `verify` and `beam_step`: the same hypotheses and scores
-    as every step through `verify` and `beam_step`."""
+def test_kernels_fused_beam_steps_equal_the_step_by_step_loop(monkeypatch, semantics, seed, vocab, eos, batch,
+                                                             beam_size, length_penalty, temperature, max_length):
+    """On the kernels (unguided) plain beam search takes the steps that need no decision in one call
+    (`Backend.beam_steps`: standard semantics, no EOS or non-finite value among an item's K best and no
+    item possibly done; spear-tts's, no NaN and not every beam ended), and the others through `verify`
+    and `beam_step`: the same hypotheses, scores and steps as every step through `verify` and `beam_step`."""
     from tts_specdec.backends.base import Backend
     from tts_specdec.backends.kernels_cpu import CpuKernels
 
@@ -359,7 +362,8 @@ def test_kernels_fused_beam_steps_equal_the_step_by_step_loop(monkeypatch, seed,
     monkeypatch.setattr(kernels, "beam_steps", counted)
     dec = SpeculativeDecoder(make_model(seed, dim=64, heads=4, dim_head=16, semantic_vocab=vocab, eos=eos))
     source = make_source(batch, 8, seed=4, lengths=[8, 3, 5, 6][:batch] if batch > 1 else None)
-    kw = dict(gamma=0, beam_size=beam_size, length_penalty=length_penalty, temperature=temperature, max_length=max_length)
+    kw = dict(gamma=0, beam_size=beam_size, length_penalty=length_penalty, temperature=temperature, max_length=max_length,
+              beam_semantics=semantics)
     fused = dec.beam_search(source, **kw)
     assert dec.decoder.backend.name == "kernels" and sum(taken) > 0
     assert any(at_capacity) == (max_length > 257)

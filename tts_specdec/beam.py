@@ -93,12 +93,13 @@ class BeamState:
         return len(self.items)
 
     def advance(self, taken: Tensor, scores: Tensor) -> None:
-        """Steps whose new beams were their K best candidates, taken by `Backend.beam_steps`: taken
-        (steps, 2, rows) int64 each new beam's parent row and token, `scores` (active, K) after them."""
+        """Steps that needed no decision, taken by `Backend.beam_steps`: taken (steps, 2, rows) int64 each
+        new beam's parent row and token, `scores` (active, K) after them (upstream: `ended` updated there)."""
         for parents, tokens in taken.tolist():
             self.history = [self.history[p] + [tk] for p, tk in zip(parents, tokens)]
         self.length += taken.shape[0]
         self.scores = scores
+        self._all_ended = None
 
     def _add_finished(self, item: int, score: float, tokens: list[int]) -> None:
         heap = self.finished[item]
@@ -379,12 +380,12 @@ def beam_search_loop(
     layers = range(dec.depth)
     x = dec.start(enc.rows)
     steps = 0
-    fused = semantics == "standard" and not guided  # `Backend.beam_steps` may take the steps that need no decision
+    fused = not guided  # `Backend.beam_steps` may take the steps that need no decision
     t = 0
     while t < max_length:
         cache.grow(t + 1)
         ran = dec.backend.beam_steps(x, t, max_length - 1 - t, state.scores, _worst(state), state.length,
-                                     length_penalty, temperature, dec.eos_id, enc, cache) if fused else None
+                                     length_penalty, temperature, dec.eos_id, enc, cache, state.ended) if fused else None
         if ran is None:
             logprobs = step_logprobs(dec.backend.verify(x, t, layers, enc, cache)[:, -1], cond_scale, temperature)
         else:

@@ -341,20 +341,22 @@ def beam_steps(
     stack: Stack, target: Head, emb: Tensor, x0: Tensor, t: int, limit: int, scores: Tensor, worst: Tensor, length: int,
     length_penalty: float, temperature: float, eos: int | None, layers: range, cos: Tensor, sin: Tensor, k_all: Tensor,
     v_all: Tensor, table: Tensor, enc_keys: Tensor, enc_values: Tensor, cross_mask: Tensor | None,
-    enc_rows: Tensor | None = None,
+    enc_rows: Tensor | None = None, ended: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Plain beam search steps in one call (csrc/layers.cpp; standard semantics, unguided, a cache by
-    reference `table`) from x0 (R, dim) at slot t of every row, while each step's new beams are its K
-    best candidates (none EOS or non-finite, no item possibly done against `worst` (items,) float64, the
-    worst finished score of an item with K finished hypotheses, else -inf); the step `limit` steps on is
-    never taken. Returns (parents and tokens of the steps taken (taken, 2, R), the scores after them
+    """Plain beam search steps in one call (csrc/layers.cpp; unguided, a cache by reference `table`) from
+    x0 (R, dim) at slot t of every row, while each step needs no decision: standard semantics, its new
+    beams are its K best candidates (none EOS or non-finite, no item possibly done against `worst`
+    (items,) float64, the worst finished score of an item with K finished hypotheses, else -inf);
+    spear-tts's (`ended` (R,) bool given, updated in place), no NaN log-probs and not every beam ended.
+    The step `limit` steps on is never taken. Returns (parents and tokens of the steps taken (taken, 2, R), the scores after them
     (items, K) float64, the next inputs (R, 1, dim), the log-probs (R, V) of the step that stopped the
     call, already through the layers, or None where the cache's capacity did)."""
     if layers.start != 0:
         raise ValueError("beam steps start at layer 0")
     steps, scores, x, pending = _module.beam_steps(
         stack._stack, target._head, emb, x0, t, limit, scores, worst, length, length_penalty, temperature,
-        -1 if eos is None else eos, layers.stop, cos, sin, k_all, v_all, table, enc_keys, enc_values, cross_mask, enc_rows)
+        -1 if eos is None else eos, layers.stop, cos, sin, k_all, v_all, table, enc_keys, enc_values, cross_mask, enc_rows,
+        ended)
     return steps, scores, x, pending
 
 

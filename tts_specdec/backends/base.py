@@ -104,12 +104,12 @@ class Backend:
 
     def beam_steps(
         self, x: Tensor, t: int, limit: int, scores: Tensor, worst: Tensor, length: int, length_penalty: float,
-        temperature: float, eos: int | None, enc: Encoded, cache: KVCache,
+        temperature: float, eos: int | None, enc: Encoded, cache: KVCache, ended: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
-        """Plain beam search's steps in one call, where the backend has one (standard semantics, unguided,
-        a cache by reference): from each row's input x (R, 1, dim) at slot t, every step whose new beams
-        are its K best candidates (`kernels.beam_steps` says which, and what it returns), up to but not
-        including step `limit`. None: `beam.beam_search_loop` steps through `verify` and `beam_step`."""
+        """Plain beam search's steps in one call, where the backend has one (unguided, a cache by
+        reference): from each row's input x (R, 1, dim) at slot t, every step that needs no decision
+        (`kernels.beam_steps` says which, and what it returns; `ended`: spear-tts's semantics), up to but
+        not including step `limit`. None: `beam.beam_search_loop` steps through `verify` and `beam_step`."""
         return None
 
     def commit_beams(

@@ -107,7 +107,7 @@ class CpuKernels(TorchEager):
 
     def beam_steps(
         self, x: Tensor, t: int, limit: int, scores: Tensor, worst: Tensor, length: int, length_penalty: float,
-        temperature: float, eos: int | None, enc: Encoded, cache: KVCache,
+        temperature: float, eos: int | None, enc: Encoded, cache: KVCache, ended: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
         """Beam steps in one kernel call (`kernels.beam_steps`): the head, log-softmax, ranking, slot
         table reorder and embedding of each step were ~2 ms of small operations beside a 14 ms layer pass
@@ -121,7 +121,7 @@ class CpuKernels(TorchEager):
         steps, scores, x, pending = kernels.beam_steps(
             self.stack, target, self._embedding, x[:, 0].contiguous(), t, limit, scores, worst, length, length_penalty,
             temperature, eos, range(dec.depth), *dec._rope, k_all, v_all, cache.table, enc.keys, enc.values,
-            enc.cross_mask, enc.source)
+            enc.cross_mask, enc.source, ended)
         ran = steps.shape[0] + (pending is not None)
         cache.buffers(t + ran)  # what the call wrote: slots below t + ran
         for i in range(dec.depth):

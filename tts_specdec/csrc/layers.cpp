@@ -687,12 +687,80 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   return out;
 }
 
-// Plain beam search's steps (`beam.beam_search_loop`: standard semantics, unguided, a cache by reference)
-// in one call, for as long as each step is one that `beam.beam_step` takes without a decision: the K best
-// candidates of every item are finite and none is EOS, and no item can be done. Such a step's new beams
-// are its K best candidates, so the call takes them itself: the step's layers, the target head and
-// `beam.step_logprobs` in the same ATen ops as the Python loop (the same bits), the ranking of `beam_top`,
-// then the slot tables' rows reordered and the next inputs embedded. At width 512 on a Zen 3 those were
+namespace {
+
+// One step of `beam.beam_step` (standard semantics) on log-probs (R, V), R = a x K, where it needs no
+// decision: the K best candidates of every item (`beam_top`'s ranking) finite and none EOS, and no item
+// possibly done (its best live beam over `norm` no better than worst[i], its worst finished hypothesis;
+// with a margin, so that a rounding of the power never keeps a done item here). Then applies it: the K
+// best are the new beams, scores (a, K) float64 updated, each one's parent row and token appended to
+// host (R each). Else leaves everything as it was and returns false.
+bool standard_step(const torch::Tensor& logprobs, torch::Tensor& scores, const double* worst, int64_t a, int64_t K, double norm,
+                   int64_t eos, std::vector<int64_t>& host) {
+  const int64_t V = logprobs.size(1), n = std::min(2 * K, K * V), R = a * K;
+  std::vector<double> values(a * n);
+  std::vector<int64_t> index(a * n);
+  tts::beam_rank(scores.data_ptr<double>(), logprobs.data_ptr<float>(), logprobs.stride(0), a, K, V, n, values.data(), index.data());
+  for (int64_t i = 0; i < a; ++i) {
+    for (int64_t j = 0; j < K; ++j)
+      if (!std::isfinite(values[i * n + j]) || index[i * n + j] % V == eos) return false;
+    if (std::isfinite(worst[i]) && values[i * n] / norm <= worst[i] + 1e-9 * (1.0 + std::fabs(worst[i]))) return false;
+  }
+  const size_t at = host.size();
+  host.resize(at + 2 * R);
+  int64_t *parent = host.data() + at, *token = parent + R;
+  double* sp = scores.data_ptr<double>();
+  for (int64_t i = 0; i < a; ++i)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t f = index[i * n + j], r = i * K + j;
+      parent[r] = i * K + f / V, token[r] = f % V, sp[r] = values[i * n + j];
+    }
+  return true;
+}
+
+// One step of spear-tts's beam search (`beam._upstream_step`) on log-probs (R, V), R = a x K, in its ATen
+// ops: each beam's K best tokens (topk; only the first beam at the first step), the candidates' float
+// sums ranked by sort, the first K the new beams. Where no live beam's log-probs hold NaN and not every
+// new beam holds an EOS, applies it: scores (a, K) float64 and ended (R,) updated, each new beam's parent
+// row and token appended to host (R each); else leaves everything as it was and returns false.
+bool upstream_step(const torch::Tensor& logprobs, torch::Tensor& scores, const torch::Tensor& ended, int64_t a, int64_t K, bool first,
+                   int64_t eos, std::vector<int64_t>& host) {
+  const int64_t R = a * K;
+  auto ranked = logprobs.topk(K, -1);
+  const int64_t beams = first ? 1 : K;
+  auto top = std::get<0>(ranked).view({a, K, K}).narrow(1, 0, beams);
+  auto top_tokens = std::get<1>(ranked).view({a, K, K}).narrow(1, 0, beams);
+  if (top.select(2, 0).isnan().any().item<bool>()) return false;
+  auto cand = (scores.narrow(1, 0, beams).to(at::kFloat).unsqueeze(2) + top).flatten(1);
+  auto order = std::get<1>(cand.sort(1, true)).narrow(1, 0, K).contiguous();
+  auto tokens = top_tokens.flatten(1).gather(1, order).contiguous();
+  auto best = cand.gather(1, order).to(at::kDouble).contiguous();
+  const int64_t* op = order.data_ptr<int64_t>();
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  const bool* was = ended.data_ptr<bool>();
+  std::vector<int64_t> parent(R);
+  std::vector<char> now(R);
+  bool all = true;
+  for (int64_t r = 0; r < R; ++r) {
+    parent[r] = (r / K) * K + op[r] / K;
+    now[r] = was[parent[r]] || (eos >= 0 && tp[r] == eos);
+    all = all && now[r];
+  }
+  if (all) return false;
+  host.insert(host.end(), parent.begin(), parent.end());
+  host.insert(host.end(), tp, tp + R);
+  scores.copy_(best);
+  std::copy(now.begin(), now.end(), ended.data_ptr<bool>());
+  return true;
+}
+
+}  // namespace
+
+// Plain beam search's steps (`beam.beam_search_loop`: unguided, a cache by reference) in one call, for as
+// long as each step is one that `beam.beam_step` takes without a decision (`standard_step`,
+// `upstream_step`), so the call takes it itself: the step's layers, the target head and
+// `beam.step_logprobs` in the same ATen ops as the Python loop (the same bits), the ranking, then the
+// slot tables' rows reordered and the next inputs embedded. At width 512 on a Zen 3 those were
 // some 2 ms of small operations a step beside the 14 ms layer pass, each slow right after the weights
 // streamed through the caches.
 // From x0 (R, dim), R = items x K rows (item-major), the inputs at slot t0 of every row; scores (a, K)
@@ -704,14 +772,19 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
 // before the step. Returns the steps taken as int64 (taken, 2, R) (each new beam's parent row and
 // token), the scores after them (a, K) float64, the next inputs (R, 1, dim), and the stopping step's
 // log-probs (R, V) or none.
+// ended (R,) bool, given: spear-tts's semantics (`beam._upstream_step`, items stopping together): each
+// row's beam holds an EOS, updated in place; a step is taken here unless some live beam's log-probs hold
+// NaN or every beam then holds an EOS, its ranking by the same ATen ops (topk, sort) on the same shapes.
 std::vector<torch::Tensor> beam_steps(const Stack& stack, const Head& target, const torch::Tensor& emb, const torch::Tensor& x0,
                                       int64_t t0, int64_t limit, const torch::Tensor& scores0, const torch::Tensor& worst,
                                       int64_t length, double length_penalty, double temperature, int64_t eos, int64_t last,
                                       const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_all,
                                       const torch::Tensor& v_all, const torch::Tensor& table, const torch::Tensor& enc_keys,
                                       const torch::Tensor& enc_values, const c10::optional<torch::Tensor>& cross_mask,
-                                      const c10::optional<torch::Tensor>& enc_rows) {
+                                      const c10::optional<torch::Tensor>& enc_rows, const c10::optional<torch::Tensor>& ended) {
   TORCH_CHECK(x0.dim() == 2 && x0.size(0) > 0 && x0.scalar_type() == at::kFloat && x0.is_contiguous(), "x0: contiguous float32 (R, dim)");
+  TORCH_CHECK(!ended || (ended->dim() == 1 && ended->size(0) == x0.size(0) && ended->scalar_type() == at::kBool &&
+                         ended->is_contiguous()), "ended: contiguous bool (R,)");
   TORCH_CHECK(scores0.dim() == 2 && scores0.scalar_type() == at::kDouble && scores0.is_contiguous() &&
               scores0.numel() == x0.size(0), "scores: contiguous float64 (items, K), one per row");
   const int64_t R = x0.size(0), dim = x0.size(1), a = scores0.size(0), K = scores0.size(1);
@@ -730,8 +803,6 @@ std::vector<torch::Tensor> beam_steps(const Stack& stack, const Head& target, co
   auto scores = scores0.clone();
   auto slots = torch::empty({R, 1}, table.options());
   std::vector<int64_t> host;  // per step taken: parents (R), then tokens (R)
-  std::vector<double> values;
-  std::vector<int64_t> index;
   std::vector<int64_t> old;
   torch::Tensor pending;
   for (int64_t d = 0; t0 + d < cap; ++d) {
@@ -747,34 +818,15 @@ std::vector<torch::Tensor> beam_steps(const Stack& stack, const Head& target, co
       pending = logprobs;
       break;
     }
-    const int64_t V = logprobs.size(1), n = std::min(2 * K, K * V);
-    values.resize(a * n);
-    index.resize(a * n);
-    tts::beam_rank(scores.data_ptr<double>(), logprobs.data_ptr<float>(), logprobs.stride(0), a, K, V, n, values.data(), index.data());
-    // the decisions `beam_step` takes in Python: an EOS or a non-finite value among the K best; an item
-    // that may be done (its best live beam normalised no better than its worst finished hypothesis; with a
-    // margin, so that a rounding of the power never keeps a done item here)
-    const double norm = std::pow(double(length + d + 1), length_penalty);
-    bool plain = true;
-    for (int64_t i = 0; i < a && plain; ++i) {
-      for (int64_t j = 0; j < K; ++j) plain = plain && std::isfinite(values[i * n + j]) && index[i * n + j] % V != eos;
-      plain = plain && !(std::isfinite(w[i]) && values[i * n] / norm <= w[i] + 1e-9 * (1.0 + std::fabs(w[i])));
-    }
-    if (!plain) {
+    const bool applied = ended ? upstream_step(logprobs, scores, *ended, a, K, length + d == 0, eos, host)
+                               : standard_step(logprobs, scores, w, a, K, std::pow(double(length + d + 1), length_penalty), eos, host);
+    if (!applied) {
       pending = logprobs;
       break;
     }
-    const size_t at = host.size();
-    host.resize(at + 2 * R);
-    int64_t *parent = host.data() + at, *token = parent + R;
-    double* sp = scores.data_ptr<double>();
+    const int64_t *parent = host.data() + host.size() - 2 * R, *token = parent + R;
     bool moved = false;
-    for (int64_t i = 0; i < a; ++i)
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t f = index[i * n + j], r = i * K + j;
-        parent[r] = i * K + f / V, token[r] = f % V, sp[r] = values[i * n + j];
-        moved = moved || parent[r] != r;
-      }
+    for (int64_t r = 0; r < R; ++r) moved = moved || parent[r] != r;
     if (moved) {  // rows become their parents: the slot tables' written part (`KVCache.reorder`)
       old.assign(tab, tab + R * cap);
       for (int64_t r = 0; r < R; ++r)
