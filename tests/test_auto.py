@@ -1030,6 +1030,22 @@ def test_beam_policy_revisits_what_the_seed_ruled_out(truth):
         assert ran.count(SPECULATIVE) <= 3
 
 
+def test_beam_policy_explores_what_its_first_call_chose():
+    """Speculative beam search predicted below PLAUSIBLE at a row class's first call is only revisited at
+    later calls, even where the committed steps observed since lift its prediction close to plain's; the
+    revisit's timing (slower) keeps plain beam search."""
+    seed = BeamCosts(1e-3, (2.0e-3, 2.4e-3))  # gamma 1 predicted at 1.5 / 2.0 = 0.75x with the prior steps
+    table, now, arms = Arms(EXPLORE_CALLS), [0.0], []
+    for call in range(REVISIT + 20):
+        steps = (1.5, 1.9) if call == 0 else (1.9, 2.3)  # later: 1.9 / 2.0 = 0.95x, within PLAUSIBLE
+        policy = BeamPolicy(seed, table, steps, clock=lambda: now[0])
+        arm = SPECULATIVE if policy.gamma() else PLAIN
+        now[0] += 50 * (1.0 if arm == PLAIN else 1.4)
+        policy.done(50)
+        arms.append(arm)
+    assert arms.count(SPECULATIVE) == 1 and arms[:EXPLORE_CALLS] == [PLAIN] * EXPLORE_CALLS
+
+
 def test_beam_search_times_its_calls_per_batch_size(costs):
     """auto beam search keeps its calls' timings per row class of the batch, across calls."""
     costs(beam=BeamCosts(1e-3, (1.6e-3, 2.2e-3)))

@@ -455,6 +455,11 @@ class BeamPolicy:
         self.explore = [arm for arm in self.arms if predicted[arm] >= plausible * predicted[self.arms[0]]]
         if fewer_rows is not None and fewer_rows.best(self.arms) == PLAIN:
             self.explore = [PLAIN]
+        if table.explored:
+            # chosen at the row class's first call: after a revisit the committed steps observed (above
+            # the prior) lifted the shipped model's prediction past PLAUSIBLE, and three more calls ran it
+            # at 0.6-0.7x of plain; from then on measurements decide (`Arms.pick`), not predictions
+            self.explore = [arm for arm in self.arms if arm in table.explored]
         self.table = table
         self._clock = clock or time.perf_counter
         self._run: _Run | None = None
