@@ -374,3 +374,31 @@ def test_kernels_fused_beam_steps_equal_the_step_by_step_loop(monkeypatch, seman
     assert (fused.stats.steps, fused.stats.beam_steps) == (stepped.stats.steps, stepped.stats.beam_steps)
     if not eos:
         assert all(len(t) == max_length for t in fused.tokens)
+
+
+@pytest.mark.parametrize("semantics", ["standard", "upstream"])
+def test_kernels_fused_beam_steps_hand_a_nonfinite_step_to_beam_step(monkeypatch, semantics):
+    """Every token's input NaN in the kernel call's embedding table: the call takes the first step (its
+    input is the start token), stops at the second, whose log-probs are NaN, and `beam_step` reports it."""
+    from tts_specdec import NonFiniteLogits
+
+    if not kernels.available():
+        pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
+    taken = []
+    inner = kernels.beam_steps
+
+    def counted(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        taken.append(out[0].shape[0])
+        return out
+
+    monkeypatch.setattr(kernels, "beam_steps", counted)
+    dec = SpeculativeDecoder(make_model(2, dim=64, heads=4, dim_head=16, semantic_vocab=24, eos=False))
+    source = make_source(2, 8, seed=4, lengths=[8, 5])
+    dec.beam_search(source, gamma=0, beam_size=2, max_length=6, beam_semantics=semantics)  # the backend, built
+    backend = dec.decoder.backend
+    monkeypatch.setattr(backend, "_embedding", torch.full_like(backend._embedding, math.nan))
+    taken.clear()
+    with pytest.raises(NonFiniteLogits) as err:
+        dec.beam_search(source, gamma=0, beam_size=2, max_length=6, beam_semantics=semantics)
+    assert taken[0] == 1 and err.value.step == 1

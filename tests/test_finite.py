@@ -15,6 +15,7 @@ import torch
 
 from tts_specdec import NonFiniteLogits, SpeculativeDecoder, kernels
 from tts_specdec.backends import CpuKernels, TorchEager
+from tts_specdec.backends.base import Backend
 from tts_specdec.beam import BeamState, beam_step
 from tts_specdec.finite import NONFINITE, NONFINITE_DRAFT, first_marked
 
@@ -113,7 +114,9 @@ def test_nan_from_a_position(mode, monkeypatch):
 
 def inject_nan_output(monkeypatch, row: int, position: int):
     """NaN in the last layer's output of `row` (batch index, as the rows' source entries say) at rotary
-    position `position`, on both paths' `run_layers` (not the fused plain steps of the kernels)."""
+    position `position`, on both paths' `run_layers` (not the fused plain steps of the kernels). Beam
+    search steps through `run_layers` here: its steps in one kernel call do not pass through it (they hand
+    a step with non-finite candidates to `beam_step`: tests/test_beam.py)."""
     def hooked(original):
         def run_layers(self, x, start, layers, enc, cache, attn_mask=None, positions=None, real=None):
             h = original(self, x, start, layers, enc, cache, attn_mask, positions, real)
@@ -129,6 +132,7 @@ def inject_nan_output(monkeypatch, row: int, position: int):
 
     monkeypatch.setattr(TorchEager, "run_layers", hooked(TorchEager.run_layers))
     monkeypatch.setattr(CpuKernels, "run_layers", hooked(CpuKernels.run_layers))
+    monkeypatch.setattr(CpuKernels, "beam_steps", Backend.beam_steps)
 
 
 @pytest.mark.parametrize("cond_scale", [1.0, 2.0], ids=["unguided", "guided"])

@@ -368,7 +368,7 @@ def beam_search_loop(
     """Plain batched beam search: one forward pass per step for all beams of all items.
 
     Returns (best tokens per item incl. EOS, their scores, number of steps). `progress` is told the
-    beams' length after every step.
+    beams' length after every step, or after the steps one `Backend.beam_steps` call took.
     """
     batch, k = source.shape[0], beam_size
     guided = cond_scale > 1
