@@ -379,13 +379,15 @@ def beam_search_loop(
     state = BeamState.initial(batch, k, length_penalty, dec.eos_id, source.device, semantics)
     layers = range(dec.depth)
     x = dec.start(enc.rows)
-    steps = 0
-    fused = not guided  # `Backend.beam_steps` may take the steps that need no decision
-    t = 0
+    # `Backend.beam_steps` may take the steps that need no decision; a backend that declines once declines
+    # for the whole call (what it checks does not change), so it is not asked again
+    fused = not guided
+    t = 0  # steps taken
     while t < max_length:
         cache.grow(t + 1)
         ran = dec.backend.beam_steps(x, t, max_length - 1 - t, state.scores, _worst(state), state.length,
                                      length_penalty, temperature, dec.eos_id, enc, cache, state.ended) if fused else None
+        fused = ran is not None
         if ran is None:
             logprobs = step_logprobs(dec.backend.verify(x, t, layers, enc, cache)[:, -1], cond_scale, temperature)
         else:
@@ -393,16 +395,14 @@ def beam_search_loop(
             if taken.shape[0]:
                 state.advance(taken, scores)
                 t += taken.shape[0]
-                steps += taken.shape[0]
                 if progress is not None:
-                    progress(steps)
+                    progress(t)
             if logprobs is None:  # the cache's capacity stopped it
                 continue
         out = beam_step(state, logprobs, last=t + 1 == max_length)
         t += 1
-        steps += 1
         if progress is not None:
-            progress(steps)
+            progress(t)
         if state.active == 0:
             break
         rows = dec.rows(out.parents, guided)
@@ -410,7 +410,7 @@ def beam_search_loop(
         if rows.numel() != enc.rows:
             enc = enc.select(dec.rows(item_rows(out.kept, k), guided))
         x = dec.embed(out.tokens[:, None], guided)
-    return (*on_device([state.best(i) for i in range(batch)], state.device), steps)
+    return (*on_device([state.best(i) for i in range(batch)], state.device), t)
 
 
 def step_logprobs(logits: Tensor, cond_scale: float, temperature: float = 1.0) -> Tensor:

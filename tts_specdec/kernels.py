@@ -348,9 +348,9 @@ def beam_steps(
     beams are its K best candidates (none EOS or non-finite, no item possibly done against `worst`
     (items,) float64, the worst finished score of an item with K finished hypotheses, else -inf);
     spear-tts's (`ended` (R,) bool given, updated in place), no NaN log-probs and not every beam ended.
-    The step `limit` steps on is never taken. Returns (parents and tokens of the steps taken (taken, 2, R), the scores after them
-    (items, K) float64, the next inputs (R, 1, dim), the log-probs (R, V) of the step that stopped the
-    call, already through the layers, or None where the cache's capacity did)."""
+    The step `limit` steps on is never taken. Returns (parents and tokens of the steps taken (taken, 2,
+    R), the scores after them (items, K) float64, the next inputs (R, 1, dim), the log-probs (R, V) of
+    the step that stopped the call, already through the layers, or None where the cache's capacity did)."""
     if layers.start != 0:
         raise ValueError("beam steps start at layer 0")
     steps, scores, x, pending = _module.beam_steps(
