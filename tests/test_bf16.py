@@ -64,14 +64,20 @@ def test_half_model_decodes_as_its_float32_copy(half, source, layout, gamma, rou
         assert beams[0].scores == beams[1].scores
 
 
-@pytest.mark.parametrize("name,cond_scale", [("plain", 1.0), ("cfg", 3.0)])
+# All pairs of (layout, dtype, model) in 6 cases, not the 12 of their product: each layout runs both dtypes,
+# and each layout and each dtype both models (the kernels run the bf16 guided model, bf16 panels).
+@pytest.mark.parametrize("layout, half, name, cond_scale", [
+    ("mm", torch.bfloat16, "cfg", 3.0), ("mm", torch.float16, "plain", 1.0),
+    ("split", torch.bfloat16, "plain", 1.0), ("split", torch.float16, "cfg", 3.0),
+    ("kernel", torch.bfloat16, "cfg", 3.0), ("kernel", torch.float16, "plain", 1.0)], indirect=["layout", "half"],
+    ids=["mm-bf16-cfg", "mm-fp16-plain", "split-bf16-plain", "split-fp16-cfg", "kernel-bf16-cfg", "kernel-fp16-plain"])
 def test_speculative_modes_equal_plain_modes_in_half_precision(half, source, layout, name, cond_scale):
     """Speculative greedy (fixed gamma and draft stops) == greedy, a batch == each row alone, speculative
     beam search == beam search."""
     model = half[name][0]
     dec = SpeculativeDecoder(model)
     kw = dict(temperature=0.0, max_length=MAX_LEN, cond_scale=cond_scale)
-    plain = tokens(dec.sample(source, **kw))
+    plain = tokens(dec.sample(source, gamma=0, **kw))
     for gamma, confidence in ((1, None), (4, None), (6, 0.5)):
         assert tokens(dec.sample(source, gamma=gamma, draft_confidence=confidence, **kw)) == plain
     alone = [tokens(dec.sample(source[i : i + 1], gamma=4, **kw))[0] for i in range(source.shape[0])]
