@@ -44,7 +44,8 @@ def main() -> None:
     if fused_steps is Backend.beam_steps:
         raise SystemExit(f"the {dec.decoder.backend.name} backend has no fused beam steps")
     # mode -> (fused steps, gamma); auto only with the semantics it runs speculatively too
-    modes = {"beam": (True, 0), "beam, step by step": (False, 0), "speculative beam (gamma 1)": (True, 1)}
+    modes = {"beam": (True, 0), "beam, step by step": (False, 0), "speculative beam (gamma 1)": (True, 1),
+             "speculative beam (gamma 2)": (True, 2)}
     if args.semantics == "standard":
         modes["auto beam"] = (True, "auto")
 
