@@ -94,7 +94,6 @@ constexpr int kWidePanels = 1, kManyPanels = 1;
 // 1.17x instead of 1.43x. Both only for streamed weights (`kStreamBytes`): on the shipped model (its
 // matrices in the caches) unrolled tiles made batch-4 greedy decoding 17% slower
 constexpr int kTermUnroll = 4, kUnrollFromRows = 3;
-constexpr bool kSpreadPrefetch = true;
 #define TTS_FEW_CASES TTS_FEW(1, 4) TTS_FEW(2, 2)
 #define TTS_WIDE_CASES TTS_WIDE(1) TTS_WIDE(2) TTS_WIDE(3) TTS_WIDE(4) TTS_WIDE(5) TTS_WIDE(6)
 #define TTS_MANY_CASES TTS_MANY(1) TTS_MANY(2) TTS_MANY(3) TTS_MANY(4) TTS_MANY(5) TTS_MANY(6)
@@ -135,11 +134,6 @@ constexpr int64_t kTileRows = 14, kFewRows = 6, kManyRows = 7;
 constexpr int kWidePanels = 2, kManyPanels = 4;
 // as measured on the Zen 4 before AVX2's tiles were unrolled (not measured unrolled)
 constexpr int kTermUnroll = 1, kUnrollFromRows = 1;
-// Tiles that take turns asking for the memory ahead: on a 2-core Intel Xeon VM (AVX-512, weights
-// streamed, 2 threads, one process, both ways alternated, three runs) 16 rows 1.20-1.37x of one row instead
-// of 1.35-1.49x, 24 rows 1.52-1.63x instead of 1.72-1.81x, 32 rows 1.81-1.99x instead of 1.95-2.35x
-// (2026-11-28); on the Zen 4 only the first tile's asks were measured
-constexpr bool kSpreadPrefetch = true;
 #define TTS_FEW_CASES TTS_FEW(1, 4) TTS_FEW(2, 4) TTS_FEW(3, 4) TTS_FEW(4, 4) TTS_FEW(5, 4) TTS_FEW(6, 4)
 #define TTS_WIDE_CASES TTS_WIDE(7) TTS_WIDE(8) TTS_WIDE(9) TTS_WIDE(10) TTS_WIDE(11) TTS_WIDE(12) TTS_WIDE(13) TTS_WIDE(14)
 #define TTS_MANY_CASES TTS_MANY(4) TTS_MANY(5) TTS_MANY(6) TTS_MANY(7)
