@@ -160,13 +160,13 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, kind, semanti
     (rows at different slots), EOS blocked or not, a temperature, and an exit at the last layer. Where a
     root is ready (its token verified by the last cycle, `_Live.ready`), the one call skips it: passed level
     by level it is recomputed, and its K/V and log-probs must equal what the last cycle left (the same
-    bits), as they do for a plain beam step."""
+    bits), as they do for a plain beam step. Both rank a ready root's children by those log-probs."""
     from tts_specdec import kernels, spec_beam
     from tts_specdec.backends.kernels_cpu import CpuKernels
 
     if not kernels.available():
         pytest.skip("the CPU kernels do not run here")
-    inner, compared, made, readied = CpuKernels.beam_draft, [], [], []
+    inner, compared, made, readied, ranked = CpuKernels.beam_draft, [], [], [], []
 
     def one_call(*args, **kwargs):
         out = inner(*args, **kwargs)
@@ -183,8 +183,21 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, kind, semanti
         monkeypatch.setattr(CpuKernels, "beam_draft", lambda *a, **k: None)
         by_level = spec_beam_draft(dec, live, cache, levels, width, cond_scale, temperature)
         monkeypatch.setattr(CpuKernels, "beam_draft", one_call)
-        for name in ("row", "index", "path", "anc", "depth", "h", "count"):
+        for name in ("row", "index", "path", "anc", "depth", "count"):
             assert torch.equal(getattr(tree, name), getattr(by_level, name)), name
+        # a ready root skips the one call's trunk pass: its exit state is zero there, the others the same
+        ready = torch.zeros(live.t.numel(), dtype=torch.bool) if live.ready is None else live.ready
+        assert torch.equal(tree.h[~ready], by_level.h[~ready]) and torch.equal(tree.h[ready, 1:], by_level.h[ready, 1:])
+        assert torch.equal(tree.h[ready, 0], torch.zeros_like(tree.h[ready, 0]) if levels else by_level.h[ready, 0])
+        # a ready root's first-level children are its best tokens by the target's log-probs the last
+        # cycle carried (the draft's would pick others on this untrained model)
+        for r in ready.nonzero().flatten().tolist():
+            mine = {tk for (p, tk) in tree.children if p == r}
+            lp = live.carried[r].clone()
+            if semantics == "standard" and dec.eos_id is not None:
+                lp[dec.eos_id] = -math.inf
+            assert mine == set(lp.topk(len(mine)).indices.tolist())
+            ranked.append(len(mine))
         assert (tree.count_host, tree.row_host, tree.children) == (by_level.count_host, by_level.row_host, by_level.children)
         assert (tree.verified is not None) == (levels > 0) and by_level.verified is None
         assert (tree.logprobs is not None) == (levels > 0) and by_level.logprobs is None  # the head in that call
@@ -207,7 +220,7 @@ def test_kernels_one_call_draft_builds_the_same_trees(monkeypatch, kind, semanti
                         temperature=temperature)
     assert dec.decoder.backend.name == "kernels" and len(compared) > 10 and max(compared) == 2
     assert sum(made) == sum(n > 0 for n in compared)  # every cycle with a level to draft, in one call
-    assert sum(readied) > 0  # some cycles started with roots already verified
+    assert sum(readied) > 0 and sum(ranked) > 0  # some cycles started with roots already verified
 
 
 @pytest.mark.parametrize("by_reference, semantics", [(True, "standard"), (True, "upstream"), (False, "standard")])

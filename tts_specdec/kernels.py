@@ -325,7 +325,8 @@ def beam_draft(
     as it is (already taken through every layer; their outputs are zero). table (R, capacity) int64: a
     cache by reference (`Stack.run`); the call makes the tree's slots t.. each row's own (`KVCache.claim`).
     target: the target's head, whose log-probs by node (`beam.step_logprobs`, unguided) come after the
-    outputs (else None), a ready root's replaced by its row of `carried` (R, V) where given. Last, one int64
+    outputs (else None), a ready root's replaced by its row of `carried` (R, V) where given (then a ready
+    root also skips the trunk, and its children are ranked by that row, not by `head`). Last, one int64
     tensor of what the caller reads on the host: row, parent, token, path flattened, count."""
     if trunk.start != 0 or (upper is not None and upper.start != trunk.stop):
         raise ValueError("the draft's trunk starts at layer 0, the verify pass where it ends")

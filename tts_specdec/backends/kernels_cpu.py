@@ -99,8 +99,7 @@ class CpuKernels(TorchEager):
         # by reference, the call makes every row's tree slots its own (`KVCache.claim`)
         out = kernels.beam_draft(self.stack, head.kernel, self._embedding, x[:, 0].contiguous(), t, score.float(), items,
                                  levels, width, trunk, temperature, eos, *dec._rope, k_all, v_all, enc.keys, enc.values,
-                                 enc.cross_mask, enc.source, upper, ready, cache.table, target,
-                                 carried if target is not None else None)
+                                 enc.cross_mask, enc.source, upper, ready, cache.table, target, carried)
         for i in range(dec.depth):  # every node once in every layer, but ready roots above the trunk
             dec.layer_evals[i] += out[4].numel() - (ready_count if i >= dec.exit_layer else 0)
         return out

@@ -458,7 +458,10 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
 // same tree mask; returns their outputs (N, dim) in node order as a last tensor (upper == last: the exit
 // states themselves). ready (R,) bool or none: roots whose token the last cycle's verify pass already
 // took through every layer (their K/V moved to slot t[r], `spec_beam.commit`): the verify pass skips
-// them and leaves their slot alone (their outputs: zero; the caller holds their log-probs). table (R,
+// them and leaves their slot alone (their outputs: zero; the caller holds their log-probs). carried (R, V)
+// or none: the ready roots' target log-probs (`beam.step_logprobs`, from the last cycle); where given, a
+// ready root skips the trunk pass too (its exit state: zero) and its children are ranked by them, not by
+// the head (`spec_beam.draft`). table (R,
 // capacity) int64 or none: a cache by reference (`Stack::run`), every tree slot t[r].. already row r's own.
 std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                       const torch::Tensor& t, const torch::Tensor& score, int64_t items, int64_t levels,
@@ -482,8 +485,8 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
               "ready: contiguous bool (R,)");
   const bool* done = ready ? ready->data_ptr<bool>() : nullptr;
   const int64_t M = 1 + levels * width;
-  TORCH_CHECK(!carried || (ready && target && carried->dim() == 2 && carried->size(0) == R && carried->is_contiguous() &&
-                           carried->scalar_type() == at::kFloat), "carried: contiguous float32 (R, V) with ready and target");
+  TORCH_CHECK(!carried || (ready && carried->dim() == 2 && carried->size(0) == R && carried->is_contiguous() &&
+                           carried->scalar_type() == at::kFloat), "carried: contiguous float32 (R, V) with ready");
   const float inv_t = temperature == 1.0 ? 1.0f : float(1.0 / std::max(temperature, 1e-10));
   const auto lopt = t.options();
   auto hs = torch::zeros({R, M, dim}, x0.options());
@@ -508,10 +511,29 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   for (int64_t r = 0; r < R; ++r) row[r] = r;
   std::vector<float> lscore(score.data_ptr<float>(), score.data_ptr<float>() + R);  // the level's nodes' scores
   const c10::optional<torch::Tensor> none;
-  // the roots: one per row at slot t (causal by slot is their tree mask)
+  // the roots: one per row at slot t (causal by slot is their tree mask). A ready root with carried
+  // log-probs skips the pass: its K/V are at slot t already, and the target's own log-probs rank its
+  // children below (an exit state would only give the draft's guess of them)
+  const bool use_carried = carried.has_value();
   auto slots0 = t.view({R, 1});
-  auto h = stack.run(x0, 0, last, cos, sin, slots0, slots0, k_all, v_all, table, none, *std::max_element(tp, tp + R) + 1,
-                     enc_keys, enc_values, cross_mask, enc_rows, none);
+  c10::optional<torch::Tensor> roots_real;
+  int64_t live_roots = R;
+  if (use_carried) {
+    std::vector<int64_t> real_v;
+    auto own = t.clone();
+    for (int64_t r = 0; r < R; ++r) {
+      if (done[r]) own.data_ptr<int64_t>()[r] = -1;
+      else real_v.push_back(r);
+    }
+    live_roots = int64_t(real_v.size());
+    if (live_roots < R) {
+      roots_real = torch::tensor(real_v, lopt);
+      slots0 = own.view({R, 1});
+    }
+  }
+  auto h = live_roots == 0 ? torch::zeros({R, dim}, x0.options())
+                           : stack.run(x0, 0, last, cos, sin, t.view({R, 1}), slots0, k_all, v_all, table, none,
+                                       *std::max_element(tp, tp + R) + 1, enc_keys, enc_values, cross_mask, enc_rows, roots_real);
   for (int64_t r = 0; r < R; ++r) std::copy(h.data_ptr<float>() + r * dim, h.data_ptr<float>() + (r + 1) * dim, hs.data_ptr<float>() + r * M * dim);
   // the tree mask (R, c, keys) of queries at indexes first[r] + j of each row r: slots < t[r] and t[r] + i
   // for the query's ancestors i (a padding query: the prefix and its own slot)
@@ -554,6 +576,14 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
       const float lse = m + float(std::log(total));
       for (int64_t v = 0; v < V; ++v) o[v] -= lse;
       if (eos >= 0 && eos < V) o[eos] = -std::numeric_limits<float>::infinity();
+    }
+    if (d == 0 && use_carried) {
+      TORCH_CHECK(carried->size(1) == V, "carried: one row of log-probs per root");
+      for (int64_t r = 0; r < R; ++r) {
+        if (!done[r]) continue;
+        std::copy(carried->data_ptr<float>() + r * V, carried->data_ptr<float>() + (r + 1) * V, lp.data() + r * V);
+        if (eos >= 0 && eos < V) lp[r * V + eos] = -std::numeric_limits<float>::infinity();
+      }
     }
     // every item's `take` best candidates (parent score + log-prob), best first
     std::vector<int64_t> ptok, ploc;
