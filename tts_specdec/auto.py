@@ -202,6 +202,7 @@ class Arms:
         self.explored: set[str] = set()  # the arms `pick` was asked to explore (others only revisited)
         self.seconds = 0.0  # booked under every arm
         self._last: dict[str, float] = {}  # arm -> `seconds` when it last ran
+        self._rates: dict[str, tuple[float, float]] = {}  # `rate` by arm until the next `add`
         # its own generator: the draws move neither torch's nor the caller's random state
         self._draw = random.Random(0)
 
@@ -213,13 +214,18 @@ class Arms:
         self.runs[arm] = self.runs.get(arm, 0) + 1
         self.seconds += seconds
         self._last[arm] = self.seconds
+        self._rates.clear()
 
     def rate(self, arm: str) -> tuple[float, float]:
         """(seconds per token, its variance): the ratio estimator over the arm's faded runs."""
+        known = self._rates.get(arm)
+        if known is not None:  # asked ~12 times a pick, between adds (a pick runs every cycle)
+            return known
         n, s, t, ss, tt, st = self.sums[arm]
         r = s / t
         residual = max(ss - 2.0 * r * st + r * r * tt, 0.0)  # sum of (s_i - r t_i)^2
-        return r, residual / (t * t) * n / max(n - 1.0, 1e-9)
+        known = self._rates[arm] = (r, residual / (t * t) * n / max(n - 1.0, 1e-9))
+        return known
 
     def pick(self, arms: Sequence[str], explore: Sequence[str] | None = None) -> str:
         """The arm to run next among `arms`: while an arm of `explore` (default: all of `arms`) ran fewer
@@ -335,7 +341,10 @@ class SamplingPolicy:
         """(gamma, draft_confidence) for the next cycle of `rows` running rows; gamma 0: plain steps."""
         now = self._clock()
         self._book(now)
-        table = self.tables.setdefault(row_class(rows), Arms(EXPLORE_CYCLES))
+        cls = row_class(rows)
+        table = self.tables.get(cls)
+        if table is None:  # made only when missing: a table's seeded generator costs ~30 us, a cycle ~2 ms
+            table = self.tables[cls] = Arms(EXPLORE_CYCLES)
         gamma = self._choose(self.alpha) if self.pays else 0
         if gamma:
             arms = self.arms_at(rows, gamma)
@@ -347,7 +356,7 @@ class SamplingPolicy:
             arms = (STOPS, PLAIN)
         else:
             arms = (PLAIN,)
-        arm = table.pick(arms, self._worth_exploring(row_class(rows), arms)) if len(arms) > 1 else PLAIN
+        arm = table.pick(arms, self._worth_exploring(cls, arms)) if len(arms) > 1 else PLAIN
         self._run = _Run(table, arm, now)
         self.plain_steps = None
         if arm == PLAIN:
