@@ -514,26 +514,21 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
   // the roots: one per row at slot t (causal by slot is their tree mask). A ready root with carried
   // log-probs skips the pass: its K/V are at slot t already, and the target's own log-probs rank its
   // children below (an exit state would only give the draft's guess of them)
-  const bool use_carried = carried.has_value();
-  auto slots0 = t.view({R, 1});
+  auto slots0 = t.view({R, 1});  // a skipped root's slot: -1, its K/V left alone
   c10::optional<torch::Tensor> roots_real;
-  int64_t live_roots = R;
-  if (use_carried) {
+  if (carried) {
     std::vector<int64_t> real_v;
-    auto own = t.clone();
-    for (int64_t r = 0; r < R; ++r) {
-      if (done[r]) own.data_ptr<int64_t>()[r] = -1;
-      else real_v.push_back(r);
-    }
-    live_roots = int64_t(real_v.size());
-    if (live_roots < R) {
+    for (int64_t r = 0; r < R; ++r)
+      if (!done[r]) real_v.push_back(r);
+    if (int64_t(real_v.size()) < R) {
       roots_real = torch::tensor(real_v, lopt);
-      slots0 = own.view({R, 1});
+      slots0 = torch::where(*ready, -1, t).view({R, 1});
     }
   }
-  auto h = live_roots == 0 ? torch::zeros({R, dim}, x0.options())
-                           : stack.run(x0, 0, last, cos, sin, t.view({R, 1}), slots0, k_all, v_all, table, none,
-                                       *std::max_element(tp, tp + R) + 1, enc_keys, enc_values, cross_mask, enc_rows, roots_real);
+  auto h = roots_real && roots_real->numel() == 0
+               ? torch::zeros({R, dim}, x0.options())
+               : stack.run(x0, 0, last, cos, sin, t.view({R, 1}), slots0, k_all, v_all, table, none,
+                           *std::max_element(tp, tp + R) + 1, enc_keys, enc_values, cross_mask, enc_rows, roots_real);
   for (int64_t r = 0; r < R; ++r) std::copy(h.data_ptr<float>() + r * dim, h.data_ptr<float>() + (r + 1) * dim, hs.data_ptr<float>() + r * M * dim);
   // the tree mask (R, c, keys) of queries at indexes first[r] + j of each row r: slots < t[r] and t[r] + i
   // for the query's ancestors i (a padding query: the prefix and its own slot)
@@ -562,28 +557,25 @@ std::vector<torch::Tensor> beam_draft(const Stack& stack, const Head& head, cons
     TORCH_CHECK(V <= emb.size(0), "head wider than the embedding table");
     const int64_t per = n / items, take = std::min(width, per * V);
     lp.resize(n * V);
+    const bool roots_carried = d == 0 && carried;  // level 0's nodes are the roots, node i = row i
+    TORCH_CHECK(!roots_carried || carried->size(1) == V, "carried: one row of log-probs per root");
     for (int64_t i = 0; i < n; ++i) {  // log_softmax(logits / temperature), as step_logprobs
       const float* l = logits.data_ptr<float>() + i * ld;
       float* o = lp.data() + i * V;
-      if (!finite_row(l, V)) {  // NaN, as step_logprobs gives (such candidates rank last)
+      if (roots_carried && done[i]) {  // a ready root: the target's own log-probs, not the head's guess
+        std::copy(carried->data_ptr<float>() + i * V, carried->data_ptr<float>() + (i + 1) * V, o);
+      } else if (!finite_row(l, V)) {  // NaN, as step_logprobs gives (such candidates rank last)
         std::fill(o, o + V, std::numeric_limits<float>::quiet_NaN());
         continue;
+      } else {
+        float m = -std::numeric_limits<float>::infinity();
+        double total = 0.0;
+        for (int64_t v = 0; v < V; ++v) m = std::max(m, o[v] = inv_t == 1.0f ? l[v] : l[v] * inv_t);
+        for (int64_t v = 0; v < V; ++v) total += std::exp(double(o[v] - m));
+        const float lse = m + float(std::log(total));
+        for (int64_t v = 0; v < V; ++v) o[v] -= lse;
       }
-      float m = -std::numeric_limits<float>::infinity();
-      double total = 0.0;
-      for (int64_t v = 0; v < V; ++v) m = std::max(m, o[v] = inv_t == 1.0f ? l[v] : l[v] * inv_t);
-      for (int64_t v = 0; v < V; ++v) total += std::exp(double(o[v] - m));
-      const float lse = m + float(std::log(total));
-      for (int64_t v = 0; v < V; ++v) o[v] -= lse;
       if (eos >= 0 && eos < V) o[eos] = -std::numeric_limits<float>::infinity();
-    }
-    if (d == 0 && use_carried) {
-      TORCH_CHECK(carried->size(1) == V, "carried: one row of log-probs per root");
-      for (int64_t r = 0; r < R; ++r) {
-        if (!done[r]) continue;
-        std::copy(carried->data_ptr<float>() + r * V, carried->data_ptr<float>() + (r + 1) * V, lp.data() + r * V);
-        if (eos >= 0 && eos < V) lp[r * V + eos] = -std::numeric_limits<float>::infinity();
-      }
     }
     // every item's `take` best candidates (parent score + log-prob), best first
     std::vector<int64_t> ptok, ploc;
