@@ -306,7 +306,7 @@ class Script:
             seconds = self.cost(arm, r) * tokens
             self.now += seconds
             ran.append((arm, seconds))
-        policy.next(1)  # books the last run
+        policy.finish()  # books the last run
         return ran
 
 
@@ -1099,6 +1099,9 @@ class _Scripted:
     def kept(self, tokens: int) -> None:
         self.kept_tokens.append(tokens)
 
+    def finish(self) -> None:
+        self.finished = len(self.kept_tokens)
+
 
 def test_auto_books_the_tokens_rows_kept_not_those_past_their_end():
     """A batch whose rows end at different lengths: the loop tells the policy, per cycle or plain run, the
@@ -1118,6 +1121,32 @@ def test_auto_books_the_tokens_rows_kept_not_those_past_their_end():
     assert ended_on_eos > 0 and len({len(o) for o in out}) > 1  # rows end at different lengths
     assert sum(policy.kept_tokens) == sum(len(o) for o in out) + ended_on_eos
     assert len(policy.kept_tokens) == policy.calls
+    assert policy.finished == policy.calls  # told once, after the last run
+
+
+def test_auto_books_every_run_of_a_call_the_last_one_included():
+    """The run that ends a call is timed too: a batch's last row often ends its call in one run, and a row
+    class whose runs all end calls would otherwise never finish exploring (its plain runs are long)."""
+    from tts_specdec.speculative import sample_loop
+
+    model = make_model(3)
+    dec = SpeculativeDecoder(model).decoder
+    dec.begin()
+    source = make_source(4, 6, seed=2, lengths=[6, 3, 5, 4])
+    tables: dict[int, Arms] = {}
+    ticks = iter(range(1, 10**6))
+    costs = CostModel(1.0, 0.1, tuple([1.2] * N))  # speculation pays: the arms are timed
+    policy = SamplingPolicy(costs, tables, clock=lambda: float(next(ticks)))
+    asked = []
+    ask = policy.next
+    policy.next = lambda rows: asked.append(rows) or ask(rows)
+    with torch.no_grad():
+        sample_loop(dec, source, SamplingConfig(0.0), gamma=MAX_GAMMA, cond_scale=1.0, max_length=40,
+                    generator=None, stats=DecodeStats(), auto=policy)
+    assert asked[-1] < 4  # the call ended on fewer rows than it began with
+    booked = {c: sum(t.runs.values()) for c, t in tables.items()}
+    assert booked == {c: sum(row_class(r) == c for r in asked) for c in booked}
+    assert sum(booked.values()) == len(asked)
 
 
 def test_beam_steps_per_cycle_carry_the_observed_head_to_gammas_not_run():

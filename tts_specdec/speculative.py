@@ -59,6 +59,9 @@ class Policy(Protocol):
     def kept(self, tokens: int) -> None:
         """The tokens the last cycle or run kept, EOS and max_length applied."""
 
+    def finish(self) -> None:
+        """The call ended after the last cycle or run `kept` told of."""
+
     plain_steps: int | None  # after `next` gave gamma 0: the most steps of that run (None or more: PLAIN_STEPS)
 
 
@@ -196,6 +199,8 @@ def sample_loop(
             enc = enc.select(cache_rows)
             rows = _Rows([rows.index[r] for r in alive], [rows.pos[r] for r in alive], rows.x[cache_rows],
                          rows.pos_t[keep_t])
+    if auto is not None:
+        auto.finish()
     clock.into(stats)
     stats.generated_tokens += sum(len(o) for o in out)
     return [torch.tensor(o, dtype=torch.long, device=device) for o in out]
