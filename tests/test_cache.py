@@ -57,9 +57,12 @@ def test_crop_moves_lengths_only():
 
 @pytest.mark.parametrize(
     "index",
-    [[2, 0, 3, 1], [1, 0, 2, 3], [0, 1, 2, 3], [3, 3, 0, 0], [0, 0, 2, 2], [1, 1, 3, 0], [2, 0], [1], [0, 0, 1, 1, 2, 2]],
-    # kept roots: sources that stay in place are read where they are; mixed: some sources are overwritten
-    ids=["permutation", "swap", "identity", "beams", "kept roots", "mixed", "fewer", "one", "more"],
+    [[2, 0, 3, 1], [1, 0, 2, 3], [0, 1, 2, 3], [3, 3, 0, 0], [0, 0, 2, 2], [1, 1, 3, 0], [2, 0], [1], [0, 0, 1, 1, 2, 2],
+     [1, 2, 3], [0, 2, 3], [0, 1, 2], [3, 1]],
+    # kept roots: sources that stay in place are read where they are; mixed: some sources are overwritten;
+    # a batch's rows that end: the rows after them move down, each over one already read
+    ids=["permutation", "swap", "identity", "beams", "kept roots", "mixed", "fewer", "one", "more",
+         "first ends", "second ends", "last ends", "two end"],
 )
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["torch", "kernel"])  # float32: the C++ path
 def test_reorder_gathers_rows(index, dtype):
@@ -73,12 +76,32 @@ def test_reorder_gathers_rows(index, dtype):
     assert torch.equal(cache.k[:, :, :, : cache.high], k[:, index, :, : cache.high])
     assert torch.equal(cache.v[:, :, :, : cache.high], v[:, index, :, : cache.high])
     assert torch.equal(cache.lengths, lengths[index])
-    if len(index) == ROWS:
-        assert (cache.k[:, :, :, cache.high :] == 7.0).all()
-    if len(index) < ROWS:  # packed into the same storage, contiguous, zeroed from `high` on as fresh storage is
-        assert cache.k.is_contiguous() and cache.v.is_contiguous()
+    if len(index) < ROWS:
         assert cache.k.untyped_storage().data_ptr() == k_storage
+    if len(index) < ROWS and dtype == torch.float64:  # packed into the same storage, contiguous, zeroed from
+        # `high` on as fresh storage is
+        assert cache.k.is_contiguous() and cache.v.is_contiguous()
         assert (cache.k[:, :, :, cache.high :] == 0).all() and (cache.v[:, :, :, cache.high :] == 0).all()
+    elif len(index) <= ROWS:  # the kernels': slots from `high` on are never touched (the first rows, as a view)
+        assert (cache.k[:, :, :, cache.high :] == 7.0).all()
+        assert cache.k.data_ptr() == k_storage and cache.k.stride() == k.stride()
+
+
+def test_rows_that_end_one_by_one_leave_a_view_the_kernels_decode_on():
+    """A batch's rows ending one after another, on the kernels' path: each drop is a view of the first rows
+    of the same storage, and a write after it lands where the view's rows read it."""
+    cache = filled(dtype=torch.float32)
+    k = cache.k.clone()
+    kept = list(range(ROWS))
+    for gone in (1, 0, 1):
+        index = [r for r in range(len(kept)) if r != gone]
+        kept = [kept[r] for r in index]
+        cache.reorder(torch.tensor(index))
+        assert torch.equal(cache.k[:, :, :, : cache.high], k[:, kept, :, : cache.high])
+    assert kept == [2] and cache.rows == 1
+    new = torch.full((1, HEADS, 1, DIM), 5.0)
+    keys, _ = cache.write(1, new, -new, 6)
+    assert torch.equal(keys[:, :, :5], k[1, kept, :, :5]) and torch.equal(keys[:, :, 6:], new)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["torch", "kernel"])  # float32: the C++ path
@@ -218,9 +241,8 @@ def test_by_reference_speculative_beam_commits_read_as_by_value(dtype):
 
 def test_fitted_pool_hands_on_storage_of_finished_caches_only():
     """A pool with fit=True (the CPU backends') gives a new cache the front of a finished cache's storage,
-    zeroed, for any shape that fits; never storage a live cache still uses, also as a packed view after it
-    dropped rows; the storage a cache grew out of is handed on; a cache from it that drops rows stays
-    contiguous (the kernels need it)."""
+    zeroed, for any shape that fits; never storage a live cache still uses, also as a view after it
+    dropped rows; the storage a cache grew out of is handed on."""
     pool = BufferPool(3, fit=True)
 
     def new(rows, capacity):
@@ -229,8 +251,8 @@ def test_fitted_pool_hands_on_storage_of_finished_caches_only():
     first = new(3, 16)
     first.write(0, torch.ones(3, 1, 1, 4), 2 * torch.ones(3, 1, 1, 4), 0)
     address = first.k.data_ptr()
-    first.reorder(torch.tensor([2]))  # one row left, packed into the front of the same storage
-    assert first.k.data_ptr() == address and first.k.is_contiguous() and first.v[0, 0, 0, 0].eq(2).all()
+    first.reorder(torch.tensor([2]))  # one row left, in the front of the same storage
+    assert first.k.data_ptr() == address and first.v[0, 0, 0, 0].eq(2).all()
     live = new(1, 16)  # the first is alive (as its packed view): fresh storage though its buffer is free of size
     assert live.k.data_ptr() != address
     del first

@@ -120,9 +120,17 @@ class KVCache:
                 self._resolve(index, high)  # rows at different lengths: by value (module docstring)
             else:
                 self.table = self.table[index]  # beams share storage; nothing is copied
-        elif index.numel() == self.rows and self.k.is_contiguous() and kernels.available(self.k.device, self.k.dtype):
-            kernels.reorder_rows(self.k, index, high)  # one call instead of ~8 indexing kernels
+        elif index.numel() <= self.rows and kernels.available(self.k.device, self.k.dtype):
+            # one call instead of ~8 indexing kernels, copying only the rows that move. Fewer rows (a batch's
+            # rows that ended): the first rows of the same storage, as a view (the kernels take its strides);
+            # their slots from `high` on were never written, so still zero. Packed into a new contiguous
+            # layout instead, every slot of every layer moved and the rest zeroed: ~1.2 ms a dropped row on
+            # the shipped model at batch 8, 9% of its greedy decoding there
+            kernels.reorder_rows(self.k, index, high)
             kernels.reorder_rows(self.v, index, high)
+            if index.numel() < self.rows:
+                self.k, self.v = self.k[:, : index.numel()], self.v[:, : index.numel()]
+                self._per_layer()
         elif index.numel() == self.rows or (self.pool is not None and not self.pool.fit and index.numel() < self.rows):
             # every row gathered into the first rows of the same storage, the right-hand side before
             # writing (finding the rows that moved would read the index back: on a GPU, a wait every beam

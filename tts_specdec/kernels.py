@@ -392,8 +392,9 @@ def commit_beams(
 
 
 def reorder_rows(t: Tensor, index: Tensor, high: int) -> None:
-    """In place: rows r of a cache buffer t (layers, rows, heads, capacity, d), float32 CPU contiguous,
-    become rows index[r] (index (rows,)), slots below `high`; unmoved rows are not touched."""
+    """In place: rows r < n of a cache buffer t (layers, rows, heads, capacity, d), float32 CPU with
+    contiguous slots, become rows index[r] (index (n,), n <= rows), slots below `high`; unmoved rows and
+    rows from n on are not touched."""
     _module.reorder_rows(t, index, high)
 
 

@@ -6,55 +6,60 @@
 #include <algorithm>
 #include <vector>
 
-// In place: rows r of t (layers, rows, heads, capacity, d) become rows index[r], slots below `high`
-// only. Rows that keep their place are not touched; sources are read before any row is written.
+// In place: rows r < n of t (layers, rows, heads, capacity, d; any strides but unit ones within a slot
+// and between slots) become rows index[r] of it (index (n,), n <= rows), slots below `high` only; rows at
+// n and past are left as they are (the caller views the first n: rows that end drop out of a batch without
+// moving the others' storage). Rows that keep their place are not touched; every source is read before
+// it is written.
 void reorder_rows(torch::Tensor t, const torch::Tensor& index, int64_t high) {
-  TORCH_CHECK(t.dim() == 5 && t.is_contiguous() && t.scalar_type() == at::kFloat && t.device().is_cpu(),
-              "t: contiguous float32 CPU (layers, rows, heads, capacity, d)");
+  TORCH_CHECK(t.dim() == 5 && t.stride(4) == 1 && t.stride(3) == t.size(4) && t.scalar_type() == at::kFloat &&
+              t.device().is_cpu(), "t: float32 CPU (layers, rows, heads, capacity, d) with contiguous slots");
   const int64_t layers = t.size(0), rows = t.size(1), heads = t.size(2), cap = t.size(3), d = t.size(4);
-  TORCH_CHECK(index.dim() == 1 && index.size(0) == rows && index.scalar_type() == at::kLong, "index: int64 (rows,)");
+  TORCH_CHECK(index.dim() == 1 && index.size(0) <= rows && index.scalar_type() == at::kLong, "index: int64 (n,), n <= rows");
   TORCH_CHECK(0 <= high && high <= cap, "high out of range");
   const auto idx = index.contiguous();
   const int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t n = index.size(0);
   std::vector<int64_t> moved;
   std::vector<char> is_moved(rows, 0);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(0 <= ip[r] && ip[r] < rows, "index out of range");
     if (ip[r] != r) moved.push_back(r), is_moved[r] = 1;
   }
   if (moved.empty() || high == 0) return;
-  // where no moved row is another's source (a speculative beam cycle's rows: they copy from rows that
-  // stay), each row is copied straight to its place: half the memory traffic of going through tmp
+  // rows are written in increasing order, so each can be copied straight to its place (half the memory
+  // traffic of going through tmp) unless its source is a row written before it: a speculative beam
+  // cycle's rows copy from rows that stay; a batch's rows that go on move down over those that ended
   bool direct = true;
-  for (int64_t r : moved) direct = direct && !is_moved[ip[r]];
+  for (int64_t r : moved) direct = direct && !(ip[r] < r && is_moved[ip[r]]);
   float* base = t.data_ptr<float>();
-  const int64_t span = high * d, row_stride = heads * cap * d;
+  const int64_t span = high * d, layer_stride = t.stride(0), row_stride = t.stride(1), head_stride = t.stride(2);
   // a thread per layer only when a layer's copies are large (a fork/join costs some microseconds)
   const int64_t layer_bytes = int64_t(moved.size()) * heads * span * int64_t(sizeof(float));
   at::parallel_for(0, layers, layer_bytes >= (1 << 18) ? 1 : layers, [&](int64_t l0, int64_t l1) {
     if (direct) {
       for (int64_t l = l0; l < l1; ++l) {
-        float* layer = base + l * rows * row_stride;
+        float* layer = base + l * layer_stride;
         for (int64_t r : moved)
           for (int64_t h = 0; h < heads; ++h) {
-            const float* src = layer + ip[r] * row_stride + h * cap * d;
-            std::copy(src, src + span, layer + r * row_stride + h * cap * d);
+            const float* src = layer + ip[r] * row_stride + h * head_stride;
+            std::copy(src, src + span, layer + r * row_stride + h * head_stride);
           }
       }
       return;
     }
     std::vector<float> tmp(moved.size() * heads * span);
     for (int64_t l = l0; l < l1; ++l) {
-      float* layer = base + l * rows * row_stride;
+      float* layer = base + l * layer_stride;
       for (size_t m = 0; m < moved.size(); ++m)
         for (int64_t h = 0; h < heads; ++h) {
-          const float* src = layer + ip[moved[m]] * row_stride + h * cap * d;
+          const float* src = layer + ip[moved[m]] * row_stride + h * head_stride;
           std::copy(src, src + span, tmp.data() + (m * heads + h) * span);
         }
       for (size_t m = 0; m < moved.size(); ++m)
         for (int64_t h = 0; h < heads; ++h) {
           const float* src = tmp.data() + (m * heads + h) * span;
-          std::copy(src, src + span, layer + moved[m] * row_stride + h * cap * d);
+          std::copy(src, src + span, layer + moved[m] * row_stride + h * head_stride);
         }
     }
   });
