@@ -89,6 +89,11 @@ PLAUSIBLE = 0.8
 # is not assumed to do better than ours
 BEAM_PRIOR_STEPS = (1.4, 1.6)
 BEAM_PRIOR_WEIGHT = 4.0  # the prior counts as this many cycles
+# speculative beam search is explored at a row class only where it ran at least this much faster than plain
+# beam search with fewer rows (`BeamPolicy`): more rows never made it pay better, so a narrower win there
+# bounds the gain here below what exploring it costs if it loses (width 512, Xeon: 1.01x at batch 4, then
+# 0.88x at batch 8 for four of a grid cell's eight calls)
+FEWER_ROWS_WIN = 1.05
 
 PLAIN, FIXED, SHORT, THIRD, STOPS, SPECULATIVE = "plain", "fixed", "short", "third", "stops", "speculative"  # the arms
 # sampling's arms by the drafts a cycle makes, most first (stops draft up to the gamma a draft that is
@@ -459,17 +464,17 @@ class BeamPolicy:
                  fewer_rows: Arms | None = None) -> None:
         """`explore_all=False`: only the arm predicted fastest is explored, the other only revisited (the
         compiled path, where an arm's first call compiles its graphs: tens of seconds on a GPU).
-        `fewer_rows`: the timed arms of the nearest smaller row class where both ran. Where plain beam
-        search was the faster there, speculative beam search is only revisited here: a batch's verify
-        passes carry more rows than its beam steps, so more rows never made speculation pay better
-        (width 512, batch 8: exploring it cost two of a job's eight calls at 0.54x)."""
+        `fewer_rows`: the timed arms of the nearest smaller row class where both ran. Where speculative beam
+        search was not FEWER_ROWS_WIN faster than plain beam search there, it is only revisited here: a
+        batch's verify passes carry more rows than its beam steps, so more rows never made speculation pay
+        better (width 512, batch 8: exploring it cost two of a job's eight calls at 0.54x)."""
         speedups = beam_speedups(costs.step, costs.cycles, steps_per_cycle)
         self.spec_gamma = 1 + max(range(len(speedups)), key=speedups.__getitem__) if speedups else 0
         predicted = {PLAIN: 1.0, SPECULATIVE: max(speedups, default=0.0)}
         self.arms = tuple(sorted(predicted, key=predicted.__getitem__, reverse=True))
         plausible = PLAUSIBLE if explore_all else 1.0
         self.explore = [arm for arm in self.arms if predicted[arm] >= plausible * predicted[self.arms[0]]]
-        if fewer_rows is not None and fewer_rows.best(self.arms) == PLAIN:
+        if fewer_rows is not None and fewer_rows.rate(PLAIN)[0] < FEWER_ROWS_WIN * fewer_rows.rate(SPECULATIVE)[0]:
             self.explore = [PLAIN]
         if table.explored:
             # chosen at the row class's first call: after a revisit the committed steps observed (above
