@@ -139,6 +139,50 @@ def test_fused_plain_runs_equal_step_by_step(sources, monkeypatch, temperature, 
     assert len({t for row in ref_out.tokens for t in row.tolist()}) > 3  # the outputs vary
 
 
+@pytest.mark.parametrize("cond_scale", [1.0, 3.0], ids=["unguided", "cfg3"])
+@pytest.mark.parametrize("confidence", [None, 0.6], ids=["all", "early-stops"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, None, None), (0.7, None, None), (0.0, None, None),
+                                                     (1.0, 3, None), (1.0, None, 0.7)],
+                         ids=["t1", "t0.7", "greedy", "top3", "topp0.7"])
+def test_fused_verify_accept_equals_step_by_step(sources, monkeypatch, temperature, top_k, top_p, confidence, cond_scale):
+    """A speculative cycle's verify pass, accept rule, read-back and next input in one kernel call
+    (CpuKernels.verify_accept) give what the step-by-step cycle gives from the same generator: the same
+    tokens (EOS and max_length mid-cycle included), the same accepted drafts, rejections and layer passes,
+    and the generator left where the step-by-step cycle leaves it. Guided cycles take the steps."""
+    from tts_specdec import kernels
+    from tts_specdec.backends import CpuKernels
+    from tts_specdec.backends.base import Backend
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    model = make_model(0) if cond_scale == 1 else make_model(5, cond_drop_prob=0.5)
+    fused_calls = []
+    fused_verify_accept = CpuKernels.verify_accept
+
+    def counted(self, *args, **kwargs):
+        out = fused_verify_accept(self, *args, **kwargs)
+        fused_calls.append(out is not None)
+        return out
+
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(CpuKernels, "verify_accept", counted if fused else Backend.verify_accept)
+        g = torch.Generator().manual_seed(11)
+        out = SpeculativeDecoder(model).sample(sources[5], temperature=temperature, top_k=top_k, top_p=top_p, gamma=4,
+                                               draft_confidence=confidence, cond_scale=cond_scale,
+                                               max_length=MAX_LEN, generator=g)
+        results.append((out, g.get_state()))
+    (fused_out, fused_state), (ref_out, ref_state) = results
+    assert fused_calls and all(fused_calls) if cond_scale == 1 else not fused_calls
+    assert_same_tokens(fused_out.tokens, ref_out.tokens)
+    assert torch.equal(fused_state, ref_state)
+    counters = lambda s: (s.steps, s.drafted, s.accepted, s.rejections, s.accepted_hist, s.layer_evals)  # noqa: E731
+    assert counters(fused_out.stats) == counters(ref_out.stats)
+    assert 0 < ref_out.stats.rejections and 0 < ref_out.stats.accepted  # cycles both kept and rejected drafts
+    if cond_scale == 1:
+        check_eos_mix(ref_out.tokens, MAX_LEN)
+
+
 @pytest.mark.parametrize("gamma", [0, 4])
 def test_decoder_follows_weight_changes_between_calls(sources, gamma):
     """A decoder reused after the model's weights changed (an optimizer step between evaluations) decodes

@@ -411,6 +411,22 @@ def cross_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None
     return _module.cross_attention(q, keys, values, mask)
 
 
+def verify_accept(
+    head: Head, emb: Tensor, h: Tensor, drafts: Tensor, q: Tensor | None, limit: Tensor | None, temperature: float,
+    top_k: int | None, top_p: float | None, generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A speculative sampling cycle after its verify pass, unguided, in one call (csrc/layers.cpp): the
+    target `head` on h (rows * (gamma + 1), dim), the accept rule (greedy when temperature is 0; else
+    `sampling.speculative_accept` on p as `sampling.probabilities` makes it, its random numbers drawn from
+    `generator` as the step-by-step path draws them), the read-back of `speculative._cycles` (rows, 2 +
+    (gamma + 1) + gamma [+ 1]) float64, the next input (rows, 1, dim) from emb and each row's advance
+    (rows,). The same numbers as those torch operations on the kernels, so the same tokens."""
+    c = lambda t: t if t is None or t.is_contiguous() else t.contiguous()  # noqa: E731
+    return tuple(_module.verify_accept(
+        head._head, emb, h if h.stride(-1) == 1 else h.contiguous(), c(drafts), c(q), c(limit), temperature,
+        top_k is not None or top_p is not None, top_k or 0, top_p or 0.0, generator))
+
+
 def speculative_accept(
     p: Tensor, q: Tensor, drafts: Tensor, u: Tensor, race: Tensor, limit: Tensor | None
 ) -> tuple[Tensor, Tensor]:

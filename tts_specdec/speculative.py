@@ -259,6 +259,11 @@ def _cycles(
                                                           confidence=draft_confidence, cond_scale=guide.draft_scale)
         if not recorded:
             marks.append(clock.mark())
+        if drafts is not None and not guide.on and not recorded:  # the rest in one call where the backend can
+            fused = dec.backend.verify_accept(x, start, upper, enc, cache, drafts, q, limit, cfg, generator)
+            if fused is not None:
+                layout.update({"n": drafts.shape[1] + 1, "s": drafts.shape[1], "limit": limit is not None})
+                return fused
         # verify: the layers above the exit on all gamma + 1 positions at once
         target_logits = guide.target(dec.backend.verify(x, start, upper, enc, cache))
         # accept: rows keep different numbers of drafts (a NONFINITE draft is rejected)

@@ -72,6 +72,15 @@ class Backend:
         the target's logits (rows, n, V), guidance not mixed."""
         return self.dec.target_logits(self.run_layers(x, start, layers, enc, cache))
 
+    def verify_accept(
+        self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache, drafts: Tensor,
+        q: Tensor | None, limit: Tensor | None, cfg: SamplingConfig, generator: torch.Generator | None,
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """An unguided speculative sampling cycle from its verify pass on: `verify`, the accept rule, the
+        read-back, the next input and each row's advance of `speculative._cycles`, in one call where a
+        backend has it (the same numbers as those steps); None: take the steps one by one."""
+        return None
+
     def draft_phase(
         self, x: Tensor, pos: Tensor, gamma: int, cfg: SamplingConfig, generator: torch.Generator | None,
         enc: Encoded, cache: KVCache, *, confidence: float | None = None, cond_scale: float = 1.0,

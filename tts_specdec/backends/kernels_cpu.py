@@ -163,6 +163,20 @@ class CpuKernels(TorchEager):
             self._target_kernel = kernels.Head([], w)
         return self._target_kernel
 
+    def verify_accept(
+        self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache, drafts: Tensor,
+        q: Tensor | None, limit: Tensor | None, cfg: SamplingConfig, generator: torch.Generator | None,
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The verify pass, then the target head, the accept rule, the read-back and the next input in one
+        kernel call (`kernels.verify_accept`): on the shipped model those small operations took ~0.2 ms of a
+        ~1.4 ms cycle. None where the kernel does not apply (guidance, a head not packed, other dtypes)."""
+        target = self._target()
+        if target is None or enc.guided or x.dtype != torch.float32 or (q is not None and q.dtype != torch.float32):
+            return None
+        h = self.run_layers(x, start, layers, enc, cache)
+        return kernels.verify_accept(target, self._embedding, h.view(-1, h.shape[-1]), drafts, q, limit, cfg.temperature,
+                                     cfg.top_k, cfg.top_p, generator)
+
     def draft_phase(
         self, x: Tensor, pos: Tensor, gamma: int, cfg: SamplingConfig, generator: torch.Generator | None,
         enc: Encoded, cache: KVCache, *, confidence: float | None = None, cond_scale: float = 1.0,

@@ -438,6 +438,95 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
           tokens.narrow(1, 0, steps), confidence > 0 ? limit : torch::empty({0}, start.options()), x};
 }
 
+// The rest of a speculative sampling cycle after its verify pass, in one call (`speculative._cycles`,
+// unguided, on the kernels): some ten small torch operations and their Python otherwise, ~0.2 ms of a
+// ~1.4 ms cycle on the shipped model. h (rows * n, dim): the verify pass's outputs, n = g + 1 positions
+// per row; drafts (rows, g) int64; q (rows, g, V) the draft's distributions (sampling); limit (rows,)
+// int64 drafts each row proposed, or none. Every number is the one `_cycles` computes with torch ops on the
+// kernels: the logits of `head` (`Decoder.target_logits`' product), greedy: `greedy_accept` on torch's
+// argmax; sampling: p as `sampling.probabilities` makes it (`filtered_softmax` where top_k or top_p was
+// given, torch's softmax of logits / temperature otherwise), u (rows, g) then race (rows, V) drawn from gen
+// as `sampling.Draws` draws them, and `speculative_accept`. So tokens and the generator's state are those of
+// the step-by-step path. Returns the read-back (rows, 2 + n + g [+ 1]) float64 (accepted, next token, each
+// position's logit sum in double, the drafts [, limit]), the next input emb[next] (rows, 1, dim) and each
+// row's advance, accepted + 1 (rows,).
+std::vector<torch::Tensor> verify_accept(const Head& head, const torch::Tensor& emb, const torch::Tensor& h,
+                                         const torch::Tensor& drafts, const c10::optional<torch::Tensor>& q,
+                                         const c10::optional<torch::Tensor>& limit, double temperature, bool filtered,
+                                         int64_t top_k, double top_p, c10::optional<at::Generator> gen) {
+  TORCH_CHECK(drafts.dim() == 2 && drafts.scalar_type() == at::kLong && drafts.is_contiguous() && drafts.size(1) > 0,
+              "drafts: contiguous int64 (rows, gamma), gamma > 0");
+  const int64_t rows = drafts.size(0), g = drafts.size(1), n = g + 1;
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == rows * n, "h: (rows * (gamma + 1), dim)");
+  TORCH_CHECK(emb.dim() == 2 && emb.scalar_type() == at::kFloat && emb.is_contiguous(), "emb: contiguous float32 (vocab, dim)");
+  const int64_t* lp = nullptr;
+  if (limit) {
+    TORCH_CHECK(limit->scalar_type() == at::kLong && limit->is_contiguous() && limit->dim() == 1 && limit->size(0) == rows,
+                "limit: contiguous int64 (rows,)");
+    lp = limit->data_ptr<int64_t>();
+  }
+  const torch::Tensor logits = head(h);  // (rows * n, V), unit column stride
+  const int64_t V = logits.size(1);
+  const torch::Tensor sums = logits.sum(-1, false, at::kDouble);
+  auto accepted = torch::empty({rows}, drafts.options());
+  auto next = torch::empty({rows}, drafts.options());
+  if (temperature == 0.0) {
+    const torch::Tensor top = logits.argmax(-1);  // torch's own: a NaN is the maximum, as in `greedy_accept`
+    const int64_t* tp = top.data_ptr<int64_t>();
+    const int64_t* dp = drafts.data_ptr<int64_t>();
+    int64_t* ap = accepted.data_ptr<int64_t>();
+    int64_t* np = next.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t proposed = lp ? lp[r] : g;
+      TORCH_CHECK(0 <= proposed && proposed <= g, "limit out of range");
+      int64_t a = 0;
+      while (a < proposed && dp[r * g + a] == tp[r * n + a]) ++a;
+      ap[r] = a;
+      np[r] = tp[r * n + a];
+    }
+  } else {
+    TORCH_CHECK(q && q->dim() == 3 && q->size(0) == rows && q->size(1) == g && q->size(2) == V, "q: (rows, gamma, V) when sampling");
+    torch::Tensor p;
+    if (filtered) {
+      p = torch::empty({rows * n, V}, logits.options());
+      std::vector<float> kth_buf;
+      std::vector<int64_t> order;
+      for (int64_t t = 0; t < rows * n; ++t)
+        filtered_softmax(logits.data_ptr<float>() + t * logits.stride(0), V, float(temperature), top_k, top_p,
+                         p.data_ptr<float>() + t * V, kth_buf, order);
+    } else {
+      p = (temperature == 1.0 ? logits : logits.div(temperature)).softmax(-1);
+    }
+    auto u = torch::empty({rows, g}, logits.options()).uniform_(0.0, 1.0, gen);
+    auto race = torch::empty({rows, V}, logits.options()).exponential_(1.0, gen);
+    auto out = speculative_accept(p.view({rows, n, V}).contiguous(), q->contiguous(), drafts, u, race, limit);
+    accepted = out[0];
+    next = out[1];
+  }
+  auto read = torch::empty({rows, 2 + n + g + (lp ? 1 : 0)}, logits.options().dtype(at::kDouble));
+  double* rp = read.data_ptr<double>();
+  const int64_t width = read.size(1);
+  const double* sp = sums.data_ptr<double>();
+  const int64_t* dp = drafts.data_ptr<int64_t>();
+  const int64_t* ap = accepted.data_ptr<int64_t>();
+  const int64_t* np = next.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    double* row = rp + r * width;
+    row[0] = double(ap[r]);
+    row[1] = double(np[r]);
+    for (int64_t j = 0; j < n; ++j) row[2 + j] = sp[r * n + j];
+    for (int64_t j = 0; j < g; ++j) row[2 + n + j] = double(dp[r * g + j]);
+    if (lp) row[2 + n + g] = double(lp[r]);
+  }
+  const int64_t dim = emb.size(1);
+  auto x = torch::empty({rows, 1, dim}, emb.options());
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(0 <= np[r] && np[r] < emb.size(0), "next token out of the embedding's range");
+    std::copy(emb.data_ptr<float>() + np[r] * dim, emb.data_ptr<float>() + (np[r] + 1) * dim, x.data_ptr<float>() + r * dim);
+  }
+  return {read, x, accepted + 1};
+}
+
 // One speculative beam cycle's draft (`spec_beam.draft`, unguided, on the kernels) in one call: beam search
 // with the exit head for `levels` levels of `width` nodes per item from the R = items * K live beams (rows
 // item-major), every node kept. Node ids: roots 0..R-1, then level by level, each level item-major and
@@ -875,6 +964,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_steps", &decode_steps, "gamma decoding steps per row in one call: a draft phase, or a run of plain sampling");
   m.def("beam_steps", &beam_steps, "plain beam search steps while each step's new beams are its K best candidates");
   m.def("beam_draft", &beam_draft, "a speculative beam cycle's draft tree: levels of the exit head's beam search, every node kept");
+  m.def("verify_accept", &verify_accept, "a speculative sampling cycle after its verify pass: head, accept rule, read-back, next input");
   m.def("speculative_accept", &speculative_accept, "Leviathan et al.'s accept rule for one cycle of every row");
   m.def("beam_top", &beam_top, "a beam step's ranked candidates per item, and its new beams' rows, tokens and scores");
   m.def("fingerprint", &fingerprint, "two 64-bit sums of each tensor's bytes (None unless all on the CPU)");
