@@ -452,6 +452,45 @@ def test_filtered_probs_of_a_nan_row_are_nan():
     torch.testing.assert_close(probs[[0, 3]], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_verify_accept_greedy_reads_logits_as_torch_argmax():
+    """The fused cycle tail (`kernels.verify_accept`, greedy) picks each position's token as torch's argmax
+    does (the first of tied maxima, the first NaN where a logit is NaN) and keeps drafts as `greedy_accept`
+    does (up to a row's limit, a draft of -1 never kept); its read-back, next input and advance follow."""
+    _needs_kernel()
+    import torch.nn.functional as F
+
+    from tts_specdec.sampling import greedy_accept
+
+    g = torch.Generator().manual_seed(5)
+    dim, V, rows, gamma = 32, 40, 6, 3
+    e = F.normalize(torch.randn(dim, generator=g), dim=0)
+    w = 0.1 * torch.randn(dim, V, generator=g)
+    w[:, 3] = w[:, 7] = 5 * e  # rows along e: columns 3 and 7 tie at the maximum
+    head = kernels.Head([], Packed(F.pad(w, (0, -V % 16)), width=V))
+    emb = torch.randn(V, 8, generator=g)
+    h = torch.randn(rows * (gamma + 1), dim, generator=g)
+    h[::3] = e * torch.rand(h[::3].shape[0], 1, generator=g).add(0.5)
+    h[5, 0] = h[14, 2] = float("nan")  # two positions with every logit NaN
+    logits = head(h)
+    logits_nan_one = logits.clone()
+    top = logits.argmax(-1).view(rows, gamma + 1)
+    assert (top.view(-1)[::3] == 3).all() and (top.view(-1)[[5, 14]] == 0).all()
+    drafts = top[:, :gamma].clone()
+    drafts[1, 0] = (drafts[1, 0] + 1) % V  # rejected at once
+    drafts[2, 1] = -1  # a NONFINITE draft
+    limit = torch.tensor([3, 3, 3, 1, 0, 2])
+    for lim in (None, limit):
+        read, x, advance = kernels.verify_accept(head, emb, h, drafts, None, lim, 0.0, None, None, None)
+        ref = greedy_accept(top, drafts, lim)
+        assert read[:, 0].long().tolist() == ref.accepted.tolist()
+        assert read[:, 1].long().tolist() == ref.next_token.tolist()
+        assert torch.equal(read[:, 2:6].isfinite(), logits_nan_one.sum(-1, dtype=torch.float64).view(rows, -1).isfinite())
+        assert torch.equal(read[:, 6:9].long(), drafts)
+        assert read.shape[1] == 9 + (lim is not None) and (lim is None or torch.equal(read[:, 9].long(), lim))
+        assert torch.equal(x[:, 0], emb[ref.next_token]) and torch.equal(advance, ref.accepted + 1)
+    assert ref.accepted.tolist() != [0] * rows and len(set(ref.accepted.tolist())) > 2  # the cases vary
+
+
 def test_attention_rejects_bad_arguments():
     _needs_kernel()
     heads = torch.randn(2, 3 * 16)

@@ -448,8 +448,9 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
 // given, torch's softmax of logits / temperature otherwise), u (rows, g) then race (rows, V) drawn from gen
 // as `sampling.Draws` draws them, and `speculative_accept`. So tokens and the generator's state are those of
 // the step-by-step path. Returns the read-back (rows, 2 + n + g [+ 1]) float64 (accepted, next token, each
-// position's logit sum in double, the drafts [, limit]), the next input emb[next] (rows, 1, dim) and each
-// row's advance, accepted + 1 (rows,).
+// position's logit sum in double, the drafts [, limit]; the sums are read for finiteness only, and are
+// summed in order here, not in torch's order), the next input emb[next] (rows, 1, dim) and each row's
+// advance, accepted + 1 (rows,).
 std::vector<torch::Tensor> verify_accept(const Head& head, const torch::Tensor& emb, const torch::Tensor& h,
                                          const torch::Tensor& drafts, const c10::optional<torch::Tensor>& q,
                                          const c10::optional<torch::Tensor>& limit, double temperature, bool filtered,
@@ -466,13 +467,30 @@ std::vector<torch::Tensor> verify_accept(const Head& head, const torch::Tensor& 
     lp = limit->data_ptr<int64_t>();
   }
   const torch::Tensor logits = head(h);  // (rows * n, V), unit column stride
-  const int64_t V = logits.size(1);
-  const torch::Tensor sums = logits.sum(-1, false, at::kDouble);
+  const int64_t V = logits.size(1), ld = logits.stride(0);
+  const float* lg = logits.data_ptr<float>();
+  // plain loops rather than torch operations here: right after the layer pass a cycle's first operations
+  // find their code and data out of the caches, and each torch operation cost ~10 us more there
+  std::vector<double> sums(rows * n);  // read only for finiteness (`finite_row`)
+  for (int64_t t = 0; t < rows * n; ++t) {
+    double total = 0.0;
+    for (int64_t i = 0; i < V; ++i) total += lg[t * ld + i];
+    sums[t] = total;
+  }
   auto accepted = torch::empty({rows}, drafts.options());
   auto next = torch::empty({rows}, drafts.options());
   if (temperature == 0.0) {
-    const torch::Tensor top = logits.argmax(-1);  // torch's own: a NaN is the maximum, as in `greedy_accept`
-    const int64_t* tp = top.data_ptr<int64_t>();
+    // torch's argmax: the first maximum, and the first NaN where there is one (as `greedy_accept` reads it)
+    std::vector<int64_t> top(rows * n);
+    for (int64_t t = 0; t < rows * n; ++t) {
+      const float* l = lg + t * ld;
+      int64_t best = 0;
+      float value = l[0];
+      for (int64_t i = 1; i < V && !std::isnan(value); ++i)
+        if (std::isnan(l[i]) || l[i] > value) value = l[i], best = i;
+      top[t] = best;
+    }
+    const int64_t* tp = top.data();
     const int64_t* dp = drafts.data_ptr<int64_t>();
     int64_t* ap = accepted.data_ptr<int64_t>();
     int64_t* np = next.data_ptr<int64_t>();
@@ -506,7 +524,7 @@ std::vector<torch::Tensor> verify_accept(const Head& head, const torch::Tensor& 
   auto read = torch::empty({rows, 2 + n + g + (lp ? 1 : 0)}, logits.options().dtype(at::kDouble));
   double* rp = read.data_ptr<double>();
   const int64_t width = read.size(1);
-  const double* sp = sums.data_ptr<double>();
+  const double* sp = sums.data();
   const int64_t* dp = drafts.data_ptr<int64_t>();
   const int64_t* ap = accepted.data_ptr<int64_t>();
   const int64_t* np = next.data_ptr<int64_t>();
@@ -524,7 +542,9 @@ std::vector<torch::Tensor> verify_accept(const Head& head, const torch::Tensor& 
     TORCH_CHECK(0 <= np[r] && np[r] < emb.size(0), "next token out of the embedding's range");
     std::copy(emb.data_ptr<float>() + np[r] * dim, emb.data_ptr<float>() + (np[r] + 1) * dim, x.data_ptr<float>() + r * dim);
   }
-  return {read, x, accepted + 1};
+  auto advance = torch::empty({rows}, drafts.options());
+  for (int64_t r = 0; r < rows; ++r) advance.data_ptr<int64_t>()[r] = ap[r] + 1;
+  return {read, x, advance};
 }
 
 // One speculative beam cycle's draft (`spec_beam.draft`, unguided, on the kernels) in one call: beam search
