@@ -107,3 +107,23 @@ def test_sampling_reads_once_per_cycle(dec, gamma, confidence):
         assert stats.drafted and stats.accepted  # cycles drafted and accepted
     assert reads.total <= calls + SETUP, reads.calls
     assert reads.sends <= SETUP_SENDS + SOURCE.shape[0]  # none per cycle: positions advance on the device
+
+
+@pytest.mark.parametrize("guided", [False, True], ids=["unguided", "guided"])
+def test_speculative_cycle_takes_its_start_slot_from_host_positions(guided):
+    """Outside the static path a speculative cycle's start slot comes from the loop's host positions
+    (`Decoder.start_of(..., known)`): the same answer as testing the device's positions, without their two
+    reads per cycle (each a wait on a GPU)."""
+    from conftest import make_model
+    from tts_specdec.decoder import Decoder
+
+    dec = Decoder(make_model(0))
+    dec.begin()
+    for known in ([3, 3, 3], [3, 5, 3]):
+        pos = torch.tensor(known)
+        with HostReads() as reads:
+            start = dec.start_of(pos, guided, known)
+        assert reads.total == 0, reads.calls
+        reference = dec.start_of(pos, guided)
+        assert start == reference if isinstance(reference, int) else torch.equal(start, reference)
+    assert dec.start_of(torch.tensor([3, 3]), guided, [3, 3]) == 3

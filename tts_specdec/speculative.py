@@ -151,7 +151,7 @@ def sample_loop(
         else:
             count = _run_length(dec, rows, g, cache, max_length - min(len(out[i]) for i in rows.index))
             cycles, rows.x, advance = _cycles(dec, rows.x, pos_t, g, upper, enc, cache, cfg, generator, guide,
-                                              confidence, clock, count)
+                                              confidence, clock, count, pos=rows.pos)
         # commit, cycle by cycle: each row's new tokens (a plain run, or accepted drafts and the correction or
         # bonus token); a row ends at EOS or max_length, and what a run computed for it after that is
         # dropped. A step picked from non-finite logits is marked (`finite`).
@@ -231,14 +231,14 @@ def _run_length(dec: Decoder, rows: _Rows, gamma: int, cache: KVCache, remaining
 def _cycles(
     dec: Decoder, x0: Tensor, pos_t: Tensor, gamma: int, upper: range, enc, cache, cfg: SamplingConfig,
     generator: torch.Generator | None, guide: _Guidance, draft_confidence: float | None, clock: PhaseClock,
-    count: int = 1, recorded: bool = True,
+    count: int = 1, recorded: bool = True, pos: list[int] | None = None,
 ) -> tuple[list[_CycleOut], Tensor, Tensor]:
     """`count` draft -> verify -> accept cycles, each from the last one's pending input (the first from x0
     (rows, 1, dim) at pos_t), every row in every cycle; returns what each cycle gave each row, the next pending
     input and on the device how many tokens each row took in all (accepted + 1 per cycle).
     recorded: let a backend that records cycles run the device part as one graph (`Backend.run_cycle`;
     the whole run then counts as verify time); False: one cycle step by step, the draft phase timed on its
-    own."""
+    own. pos: pos_t's values as ints, where the caller holds them."""
     recorded = recorded and dec.backend.records(x0.device)
     if count > 1 and not recorded:
         raise ValueError("runs of several cycles are for a backend that records them")
@@ -248,9 +248,9 @@ def _cycles(
     # Python, and a backend that replays one drafts all gamma with static shapes
     layout = {"n": gamma + 1, "s": gamma, "limit": bool(gamma) and draft_confidence is not None}
 
-    def one(x0: Tensor, pos_t: Tensor, enc: Encoded) -> tuple[Tensor, Tensor, Tensor]:
+    def one(x0: Tensor, pos_t: Tensor, enc: Encoded, known: list[int] | None) -> tuple[Tensor, Tensor, Tensor]:
         """Draft, verify, accept: (the cycle's read-back, the next pending input, each row's advance)."""
-        start = dec.start_of(pos_t, guide.on)
+        start = dec.start_of(pos_t, guide.on, known)
         # draft: gamma tokens from the exit head, keeping every exit state for the target
         # limit: per-row draft counts, only when rows may stop early
         x, q, drafts, limit = x0, None, None, None
@@ -285,7 +285,8 @@ def _cycles(
         (count, rows, ...), the next pending input, each row's advance over the run)."""
         reads, advance = [], None
         for _ in range(count):
-            read, x, step = one(x, pos_t if advance is None else pos_t + advance, enc)
+            known = pos if advance is None and not recorded else None  # a replayed graph gets other positions
+            read, x, step = one(x, pos_t if advance is None else pos_t + advance, enc, known)
             reads.append(read)
             advance = step if advance is None else advance + step
         return torch.stack(reads), x, advance
