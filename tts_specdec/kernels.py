@@ -411,6 +411,11 @@ def cross_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None
     return _module.cross_attention(q, keys, values, mask)
 
 
+def _dense(t: Tensor | None) -> Tensor | None:
+    """t as the C++ calls read it: contiguous (None stays None)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def verify_accept(
     head: Head, emb: Tensor, h: Tensor, drafts: Tensor, q: Tensor | None, limit: Tensor | None, temperature: float,
     top_k: int | None, top_p: float | None, generator: torch.Generator | None,
@@ -421,7 +426,7 @@ def verify_accept(
     `generator` as the step-by-step path draws them), the read-back of `speculative._cycles` (rows, 2 +
     (gamma + 1) + gamma [+ 1]) float64, the next input (rows, 1, dim) from emb and each row's advance
     (rows,). The same numbers as those torch operations on the kernels, so the same tokens."""
-    c = lambda t: t if t is None or t.is_contiguous() else t.contiguous()  # noqa: E731
+    c = _dense
     return tuple(_module.verify_accept(
         head._head, emb, h if h.stride(-1) == 1 else h.contiguous(), c(drafts), c(q), c(limit), temperature,
         top_k is not None or top_p is not None, top_k or 0, top_p or 0.0, generator))
@@ -432,7 +437,7 @@ def speculative_accept(
 ) -> tuple[Tensor, Tensor]:
     """`sampling.speculative_accept`'s rule in one call (csrc/accept.cpp) on the same random numbers:
     u (rows, gamma) uniforms and race (rows, V) Exp(1) draws. Returns (accepted, next_token)."""
-    c = lambda t: t if t.is_contiguous() else t.contiguous()  # noqa: E731
+    c = _dense
     return tuple(_module.speculative_accept(c(p), c(q), c(drafts), c(u), c(race), None if limit is None else c(limit)))
 
 

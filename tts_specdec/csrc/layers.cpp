@@ -504,17 +504,8 @@ std::vector<torch::Tensor> verify_accept(const Head& head, const torch::Tensor& 
     }
   } else {
     TORCH_CHECK(q && q->dim() == 3 && q->size(0) == rows && q->size(1) == g && q->size(2) == V, "q: (rows, gamma, V) when sampling");
-    torch::Tensor p;
-    if (filtered) {
-      p = torch::empty({rows * n, V}, logits.options());
-      std::vector<float> kth_buf;
-      std::vector<int64_t> order;
-      for (int64_t t = 0; t < rows * n; ++t)
-        filtered_softmax(logits.data_ptr<float>() + t * logits.stride(0), V, float(temperature), top_k, top_p,
-                         p.data_ptr<float>() + t * V, kth_buf, order);
-    } else {
-      p = (temperature == 1.0 ? logits : logits.div(temperature)).softmax(-1);
-    }
+    const torch::Tensor p = filtered ? filtered_probs(logits, temperature, top_k, top_p)
+                                     : (temperature == 1.0 ? logits : logits.div(temperature)).softmax(-1);
     auto u = torch::empty({rows, g}, logits.options()).uniform_(0.0, 1.0, gen);
     auto race = torch::empty({rows, V}, logits.options()).exponential_(1.0, gen);
     auto out = speculative_accept(p.view({rows, n, V}).contiguous(), q->contiguous(), drafts, u, race, limit);
@@ -543,7 +534,8 @@ std::vector<torch::Tensor> verify_accept(const Head& head, const torch::Tensor& 
     std::copy(emb.data_ptr<float>() + np[r] * dim, emb.data_ptr<float>() + (np[r] + 1) * dim, x.data_ptr<float>() + r * dim);
   }
   auto advance = torch::empty({rows}, drafts.options());
-  for (int64_t r = 0; r < rows; ++r) advance.data_ptr<int64_t>()[r] = ap[r] + 1;
+  int64_t* vp = advance.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) vp[r] = ap[r] + 1;
   return {read, x, advance};
 }
 
