@@ -168,15 +168,16 @@ def test_streamed_weights_sum_as_cache_resident_ones(threads, isa_restored):
     """A matrix beyond 1 MB streams from memory and takes other tiles (unrolled term loops, tiles that
     share the asks ahead: `small_gemm.cpp`'s kStreamBytes): every row count gives each row's bits alone,
     and the bits of the same columns multiplied as cache-resident slices (the same sums in the same
-    order), a last slab of 10 terms and a partial group of panels included."""
+    order), a last slab of an odd number of terms and a partial group of panels included."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(5)
-        w = torch.randn(650, 464, generator=g)  # 1.2 MB: 21 slabs of terms, the last 10; 29 panels
+        # 1.2 MB: 21 slabs of terms, the last 11 (odd: the unrolled term loops end on a single term); 29 panels
+        w = torch.randn(651, 464, generator=g)
         big, parts = Packed(w), [Packed(w[:, c : c + 128]) for c in range(0, 464, 128)]  # <= 333 KB each
         assert big.panels.numel() * 4 > 1 << 20 and all(q.panels.numel() * 4 < 1 << 20 for q in parts)
-        x, bias = torch.randn(33, 650, generator=g), torch.randn(464, generator=g)
+        x, bias = torch.randn(33, 651, generator=g), torch.randn(464, generator=g)
         for isa in _isas():
             kernels.isa(isa)
             alone = torch.cat([big(x[i : i + 1], bias, normalize=True) for i in range(33)])

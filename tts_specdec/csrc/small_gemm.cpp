@@ -132,8 +132,11 @@ inline void unpair(float*) {}
 // tile stays ahead (12 rows 4.85 ms, against 5.07 as two 6 x 4 tiles)
 constexpr int64_t kTileRows = 14, kFewRows = 6, kManyRows = 7;
 constexpr int kWidePanels = 2, kManyPanels = 4;
-// as measured on the Zen 4 before AVX2's tiles were unrolled (not measured unrolled)
-constexpr int kTermUnroll = 1, kUnrollFromRows = 1;
+// Streamed weights, tiles of 4 rows and more: two terms per iteration. On an Intel Xeon VM (2 threads,
+// tools/gemm_rows.py, variants alternated, 4 rounds each, x one row) 8 rows went from 1.17-1.24x to
+// 1.03-1.07x, 12 rows from 1.24-1.31x to 1.13-1.21x, 16 rows from 1.34-1.38x to 1.30-1.33x; four terms
+// were no better, and asking memory 8 or 16 slabs ahead instead of 4 moved nothing. Not measured on a Zen 4
+constexpr int kTermUnroll = 2, kUnrollFromRows = 4;
 #define TTS_FEW_CASES TTS_FEW(1, 4) TTS_FEW(2, 4) TTS_FEW(3, 4) TTS_FEW(4, 4) TTS_FEW(5, 4) TTS_FEW(6, 4)
 #define TTS_WIDE_CASES TTS_WIDE(7) TTS_WIDE(8) TTS_WIDE(9) TTS_WIDE(10) TTS_WIDE(11) TTS_WIDE(12) TTS_WIDE(13) TTS_WIDE(14)
 #define TTS_MANY_CASES TTS_MANY(4) TTS_MANY(5) TTS_MANY(6) TTS_MANY(7)
