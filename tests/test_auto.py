@@ -428,8 +428,15 @@ def test_policy_tells_the_faster_arm_through_noisy_cycles(faster):
     assert ran[300:].count(faster) >= 0.8 * 300
 
 
+@pytest.fixture
+def no_line(monkeypatch):
+    """The timed arms of several rows before their row class's line is known (`auto.Line`): where the
+    scripted per-token costs make cycle seconds rise with the drafts, the line would soon pick the gamma."""
+    monkeypatch.setattr(auto, "LINE_CYCLES", 10**9)
+
+
 @pytest.mark.parametrize("fastest", [FIXED, SHORT])
-def test_policy_with_several_rows_times_half_the_gamma(fastest):
+def test_policy_with_several_rows_times_half_the_gamma(fastest, no_line):
     """Several rows on the CPU: half the model's gamma is one more arm beside it, stops and plain steps (a
     verify pass over rows x (gamma + 1) tokens turns compute-bound, which the one-row cost model does not
     see); the fastest decodes almost all the time. One row: no half gamma (`arms_at`)."""
@@ -446,7 +453,7 @@ def test_policy_with_several_rows_times_half_the_gamma(fastest):
 
 
 @pytest.mark.parametrize("fastest", [FIXED, SHORT, THIRD])
-def test_policy_with_several_rows_times_a_third_of_a_long_gamma(fastest):
+def test_policy_with_several_rows_times_a_third_of_a_long_gamma(fastest, no_line):
     """Where the model's gamma is long (cheap verify passes at one row), several rows also time a third of
     it, which runs gamma // 3 drafts; the fastest of the five arms decodes almost all the time. A third
     that is no shorter than the half is no arm of its own."""
@@ -466,7 +473,7 @@ def test_policy_with_several_rows_times_a_third_of_a_long_gamma(fastest):
     assert share(ran[5 * EXPLORE_CYCLES:], fastest) >= 1 - 4 * 1.5 / REVISIT
 
 
-def test_more_rows_explore_no_arm_that_drafts_longer_than_the_fastest_with_fewer():
+def test_more_rows_explore_no_arm_that_drafts_longer_than_the_fastest_with_fewer(no_line):
     """Half the model's gamma fastest with two rows: with four rows the arms that draft more (the model's
     gamma, stops) are not explored or drawn, only revisited, while the shorter ones and plain steps are
     explored as usual; the fastest with four rows (a third of the gamma) decodes almost all the time."""
@@ -510,7 +517,7 @@ def test_an_arm_only_revisited_takes_over_where_it_is_the_fastest():
     assert share(ran[-1500:], FIXED) >= 0.9
 
 
-def test_the_nearest_class_with_fewer_rows_decides_though_it_revisited_arms_it_did_not_explore():
+def test_the_nearest_class_with_fewer_rows_decides_though_it_revisited_arms_it_did_not_explore(no_line):
     """With four rows, stops and the model's gamma were only revisited (half the gamma was fastest with
     two), so they ran fewer than EXPLORE_CYCLES times there: four rows are still the reference for eight,
     where a third of the gamma (the fastest with four) and plain steps are all that is explored."""
@@ -523,6 +530,115 @@ def test_the_nearest_class_with_fewer_rows_decides_though_it_revisited_arms_it_d
     assert revisited and tables[4].explored == {SHORT, THIRD, PLAIN}
     first = [a for a, _ in ran[3600:3600 + 2 * EXPLORE_CYCLES]]
     assert sorted(first) == sorted([THIRD, PLAIN] * EXPLORE_CYCLES)
+
+
+# ---- several rows: the line of cycle seconds and the acceptance by depth ----------------------------
+
+
+def test_line_fits_seconds_by_gamma_and_slots():
+    """Cycles timed at mixed gammas and row counts on an exact a + b * gamma + c * rows x (gamma + 1): the fit
+    gives a, b and c back; cycles at one row (slots are gamma + 1: no second term to tell apart) give the
+    slots' term alone, which predicts those cycles exactly. No fit on fewer than LINE_CYCLES cycles, on
+    slots that barely spread, or where seconds fall as slots grow."""
+    def seconds(rows, gamma):
+        return 0.5 + 0.2 * gamma + 0.03 * rows * (gamma + 1)
+
+    line = auto.Line()
+    points = [(rows, gamma) for rows in (5, 6, 8) for gamma in (2, 3, 5, 10)]
+    for rows, gamma in points[:auto.LINE_CYCLES - 1]:
+        line.add(rows, gamma, seconds(rows, gamma))
+    assert line.fit() is None
+    for rows, gamma in points[auto.LINE_CYCLES - 1:]:
+        line.add(rows, gamma, seconds(rows, gamma))
+    assert line.fit() == pytest.approx((0.5, 0.2, 0.03), rel=1e-6)
+    one = auto.Line()
+    for gamma in (2, 5, 10) * 4:
+        one.add(1, gamma, seconds(1, gamma))
+    a, b, c = one.fit()
+    assert b == 0 and all(a + c * (g + 1) == pytest.approx(seconds(1, g)) for g in range(1, 11))
+    flat = auto.Line()
+    for _ in range(20):
+        flat.add(8, 4, 1.0)
+    assert flat.fit() is None  # one point: no slope
+    falling = auto.Line()
+    for gamma in (2, 5, 10) * 4:
+        falling.add(4, gamma, 2.0 - 0.1 * gamma)
+    assert falling.fit() is None
+
+
+def test_depths_give_the_tokens_of_each_gamma():
+    """Rows that always accept their first two drafts and never the third: a gamma of 1 emits 2 tokens, 2
+    or more emit 3 (the prior, PRIOR_WEIGHT drafts a depth against ~125 judged, adds a few hundredths); before
+    any cycle every depth holds the prior, so a gamma's tokens are Leviathan et al.'s at PRIOR_ALPHA."""
+    fresh = auto.Depths()
+    assert fresh.expected(MAX_GAMMA) == pytest.approx([expected_tokens(auto.PRIOR_ALPHA, g) for g in range(1, MAX_GAMMA + 1)])
+    depths = auto.Depths()
+    for _ in range(3000):
+        depths.observe([2, 2, 2], [4, 4, 4])
+    assert depths.expected(5) == pytest.approx([2, 3, 3, 3, 3], abs=0.05)
+    depths.observe([1], [1])  # all its drafts accepted: depth 2 was not judged
+    assert depths.reached[1] == pytest.approx(depths.passed[1])
+
+
+class Cycles(Script):
+    """Cycles whose seconds follow `seconds(rows, gamma)` and whose rows each accept their first `accepts`
+    drafts (up to gamma); plain steps cost `plain` seconds per token. Records each run's gamma (0: plain)."""
+
+    def __init__(self, seconds, accepts: int, plain: float) -> None:
+        super().__init__({})
+        self.seconds, self.accepts, self.plain_cost, self.gammas = seconds, accepts, plain, []
+
+    def run(self, policy: SamplingPolicy, rows: list[int]) -> list[tuple[str, float]]:
+        for r in rows:
+            gamma, confidence = policy.next(r)
+            if gamma:
+                accepted = min(self.accepts, gamma)
+                policy.observe([accepted] * r, [gamma] * r)
+                policy.kept((accepted + 1) * r)
+                self.now += self.seconds(r, gamma) * (1.5 if confidence is not None else 1.0)
+            else:
+                steps = min(policy.plain_steps or 32, 32)
+                policy.plain(steps)
+                policy.kept(steps * r)
+                self.now += self.plain_cost * steps * r
+            self.gammas.append((r, gamma if confidence is None else -gamma))
+        policy.finish()
+        return []
+
+
+def test_several_rows_draft_the_gamma_their_line_predicts_fastest():
+    """Eight rows whose cycles cost 1 + 0.2 gamma + 0.05 x 8 (gamma + 1) and accept 4 drafts a row: 5 tokens
+    a row from gamma 4 on, so gamma 4 emits the most per second (the one-row cost model's gamma is longer).
+    Once the line rests on the explored arms, gamma 4 runs nearly every cycle (one in DITHER one more, one
+    fewer), plain steps only on revisits. One row keeps the timed arms (no line there)."""
+    assert auto.DITHER >= 16
+    script = Cycles(lambda rows, gamma: 1.0 + 0.2 * gamma + 0.05 * rows * (gamma + 1), accepts=4, plain=0.6)
+    tables: dict[int, Arms] = {}
+    policy = SamplingPolicy(FLAT, tables, clock=script.clock)
+    assert choose_gamma(FLAT.c, FLAT.v, auto.PRIOR_ALPHA, MAX_GAMMA) >= 6
+    script.run(policy, [8] * 4000)
+    later = [g for _, g in script.gammas[-3000:]]
+    assert later.count(4) >= (1 - 2 / auto.DITHER) * len(later) - 30  # 30: plain steps' revisits
+    assert set(later) <= {0, 3, 4, 5} and {3, 5} <= set(later)
+    assert 0 < later.count(0) <= 0.01 * len(later)  # plain steps revisited (every ~2600 cycles here)
+    assert auto.FITTED in tables[8].sums
+    one = SamplingPolicy(FLAT, tables, clock=script.clock)
+    script.run(one, [1] * 200)
+    assert auto.FITTED not in tables[1].sums
+
+
+def test_several_rows_decode_plainly_where_plain_steps_beat_the_fitted_gamma():
+    """The same cycles, plain steps at 0.08 s a token against the best gamma's 0.095 (gamma 4: 3.8 s for 40
+    tokens at 8 rows): plain steps decode nearly all the time, the fitted gamma revisited."""
+    script = Cycles(lambda rows, gamma: 1.0 + 0.2 * gamma + 0.05 * rows * (gamma + 1), accepts=4, plain=0.08)
+    tables: dict[int, Arms] = {}
+    script.run(SamplingPolicy(FLAT, tables, clock=script.clock), [8] * 3000)
+    later = script.gammas[-2000:]
+    seconds = {True: 0.0, False: 0.0}
+    for rows, gamma in later:
+        seconds[gamma == 0] += 0.08 * 32 * rows if gamma == 0 else 1.0 + 0.2 * gamma + 0.05 * rows * (gamma + 1)
+    assert seconds[True] / (seconds[True] + seconds[False]) >= 0.9
+    assert any(g > 0 for _, g in later)  # the fitted gamma revisited
 
 
 def plain_caps(costs: CostModel, fastest: str, cycles: int = 400) -> list[int | None]:

@@ -7,7 +7,9 @@ unit of time at the acceptance seen so far, and 0 (plain decoding) unless specul
 by MARGIN. The model knows batch 1 and its own formula only, so the runs correct it: plain decoding,
 drafting that gamma, drafting with stops and (several rows on the CPU) a half and a third of that gamma
 are arms (`Arms`) timed in seconds per emitted token on the decoder's own runs, per row count and kept
-across calls; the fastest decodes almost all the time and the others are revisited rarely. Beam search chooses per call
+across calls; the fastest decodes almost all the time and the others are revisited rarely. With several
+rows on the CPU, once those arms' cycles give it two gammas, a line of cycle seconds by gamma and tokens
+carried (`Line`) and the acceptance by draft depth (`Depths`) pick the gamma instead. Beam search chooses per call
 between plain and speculative beam search the same way (`BeamPolicy`), seeded by timed short searches
 (`BeamCosts`).
 Every cycle, and every call, is exact on its own: no choice changes greedy tokens, beam search's result
@@ -96,9 +98,27 @@ BEAM_PRIOR_WEIGHT = 4.0  # the prior counts as this many cycles
 FEWER_ROWS_WIN = 1.05
 
 PLAIN, FIXED, SHORT, THIRD, STOPS, SPECULATIVE = "plain", "fixed", "short", "third", "stops", "speculative"  # the arms
+FITTED = "fitted"  # the gamma of most tokens per second by the row class's cycle times (`Line`)
 # sampling's arms by the drafts a cycle makes, most first (stops draft up to the gamma a draft that is
-# always right would pay for, no fewer than the model's gamma)
-LONGEST_FIRST = (STOPS, FIXED, SHORT, THIRD, PLAIN)
+# always right would pay for, no fewer than the model's gamma; the fitted gamma is chosen for the rows,
+# so it is never pruned for drafting more than what won with fewer)
+LONGEST_FIRST = (STOPS, FIXED, SHORT, THIRD, FITTED, PLAIN)
+CHAINS = (FIXED, SHORT, THIRD, FITTED)  # the arms that draft a fixed gamma: their cycles time the line
+# the line of a row class's cycle seconds over its verified slots decides the fitted gamma once it rests on
+# LINE_CYCLES cycles whose slots spread by LINE_SPREAD (a standard deviation): the model's gamma and half of
+# it, explored EXPLORE_CYCLES times each, give that at any row class of several rows
+LINE_CYCLES = 2 * EXPLORE_CYCLES
+LINE_SPREAD = 2.0
+# both terms of the line where gamma and slots are this far from collinear (1 - their squared correlation)
+LINE_APART = 0.05
+# the line's sums fade slower than an arm's (TIME_KEEP): they must keep the far gammas explored first, or
+# once the fitted gamma settles every cycle sits at one point and the slopes are lost
+LINE_KEEP = 0.999
+# every DITHER-th fitted cycle drafts one more, every DITHER-th (half a turn later) one fewer: the line
+# keeps points on both sides of its choice, where the rate curve is flat (at 8 rows on the shipped model,
+# gammas 4-6 within 1%), so they cost little, and a slow change of the costs moves the choice
+DITHER = 16
+DEPTH_HALF_LIFE = 256.0  # judged drafts: a row class's acceptance by depth follows the session slowly
 
 
 @dataclass(frozen=True)
@@ -192,6 +212,95 @@ def row_class(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+class Line:
+    """Least squares through a row class's speculative cycles: seconds = a + b * gamma + c * rows x (gamma +
+    1), over sums that fade by LINE_KEEP per cycle. Drafting costs each draft step a kernel call whatever the
+    rows (b), the verify pass and the draft steps' products cost by the tokens they carry (c): at 8 rows
+    on the shipped model, one term in verified slots alone (a row count moves them as a gamma does)
+    predicted gamma 2's cycles 18% dearer than they ran. A cycle's time varies little at a given gamma and
+    row count, while the tokens it emits swing from 1 to gamma + 1 per row; so the line, with the acceptance
+    by depth (`Depths`), tells gammas apart in a few cycles where their seconds per token (`Arms`) take
+    many: at 4-8 rows on the shipped model those estimates still ranked the arms wrongly after three passes
+    over 24 sentences."""
+
+    def __init__(self) -> None:
+        # n, g, s, g*g, g*s, s*s, t, g*t, s*t for gamma g, slots s = rows x (g + 1), seconds t
+        self.sums = [0.0] * 9
+        self._fit: tuple[float, float, float] | None | bool = False  # `fit` since the last add (False: none)
+        self.turn = 0  # counts fitted choices (`SamplingPolicy._fitted`: DITHER)
+
+    def add(self, rows: int, gamma: int, seconds: float) -> None:
+        g, x = float(gamma), float(rows * (gamma + 1))
+        for i, v in enumerate((1.0, g, x, g * g, g * x, x * x, seconds, g * seconds, x * seconds)):
+            self.sums[i] = LINE_KEEP * self.sums[i] + v
+        self._fit = False
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c); None while the line rests on fewer than LINE_CYCLES cycles or on slots that spread
+        less than LINE_SPREAD, or where the cycles' seconds do not rise with their slots (noise). Where
+        gamma and slots hardly vary apart (one row: slots are gamma + 1) or the draft steps' term comes out
+        below 0, the slots alone."""
+        if self._fit is not False:
+            return self._fit
+        n, g, x, gg, gx, xx, t, gt, xt = self.sums
+        self._fit = None
+        if n < LINE_CYCLES:
+            return None
+        # centred sums: n x (co)variances
+        sgg, sgx, sxx = gg - g * g / n, gx - g * x / n, xx - x * x / n
+        sgt, sxt = gt - g * t / n, xt - x * t / n
+        if sxx < LINE_SPREAD * LINE_SPREAD * n:
+            return None
+        det = sgg * sxx - sgx * sgx
+        b, c = 0.0, sxt / sxx
+        if det > LINE_APART * sgg * sxx:  # gamma and slots vary apart: both terms
+            both = (sgt * sxx - sxt * sgx) / det, (sxt * sgg - sgt * sgx) / det
+            if both[0] >= 0:
+                b, c = both
+        if c <= 0:
+            return None
+        self._fit = ((t - b * g - c * x) / n, b, c)
+        return self._fit
+
+
+class Depths:
+    """Drafts judged and accepted at each draft depth k (index k - 1), over sums that fade by half every
+    DEPTH_HALF_LIFE judged drafts: the chance that a row's k-th draft is accepted once the k - 1 before it
+    were. Acceptance runs in stretches, so it differs from depth to depth and a gamma's tokens (`expected`)
+    are not alpha's (Leviathan et al.'s formula). Kept across calls with a row class's timings: a call
+    starts with what earlier calls judged, not with the prior (at the prior, plain decoding looked faster
+    at 4-8 rows, and its runs judge nothing)."""
+
+    def __init__(self, depths: int = MAX_GAMMA) -> None:
+        self.reached = [0.0] * depths
+        self.passed = [0.0] * depths
+
+    def observe(self, accepted: Sequence[int], proposed: Sequence[int]) -> None:
+        """A cycle's accepted and proposed drafts per row: a row judged its drafts up to its first
+        rejection."""
+        judged = sum(a + (a < n) for a, n in zip(accepted, proposed))
+        keep = 0.5 ** (judged / DEPTH_HALF_LIFE)
+        self.reached = [keep * v for v in self.reached]
+        self.passed = [keep * v for v in self.passed]
+        depths = len(self.reached)
+        for a, n in zip(accepted, proposed):
+            for k in range(min(a + (a < n), depths)):
+                self.reached[k] += 1.0
+            for k in range(min(a, depths)):
+                self.passed[k] += 1.0
+
+    def expected(self, most: int) -> list[float]:
+        """[g - 1]: tokens a row emits per cycle of g drafts, g = 1..most (at most the depths kept): 1 plus,
+        for each depth k <= g, the chance that its first k drafts were all accepted (each depth with
+        PRIOR_WEIGHT drafts at PRIOR_ALPHA)."""
+        out, tokens, run = [], 1.0, 1.0
+        for k in range(min(most, len(self.reached))):
+            run *= (self.passed[k] + PRIOR_WEIGHT * PRIOR_ALPHA) / (self.reached[k] + PRIOR_WEIGHT)
+            tokens += run
+            out.append(tokens)
+        return out
+
+
 class Arms:
     """Fading sums over the runs of each arm (a speculative cycle, a fused run of plain steps, a beam
     search call) of seconds, tokens and their squares and product (the ratio estimate of seconds per
@@ -208,6 +317,8 @@ class Arms:
         self.seconds = 0.0  # booked under every arm
         self._last: dict[str, float] = {}  # arm -> `seconds` when it last ran
         self._rates: dict[str, tuple[float, float]] = {}  # `rate` by arm until the next `add`
+        self.line = Line()  # the chain arms' cycle seconds by verified slots (`SamplingPolicy`)
+        self.depths = Depths()  # acceptance by draft depth in the row class's cycles
         # its own generator: the draws move neither torch's nor the caller's random state
         self._draw = random.Random(0)
 
@@ -297,8 +408,9 @@ class Arms:
 class _Run:
     """The timing of the run under way: its arm and table, when it started, what it emitted."""
 
-    def __init__(self, table: Arms, arm: str, start: float) -> None:
+    def __init__(self, table: Arms, arm: str, start: float, rows: int = 0, gamma: int = 0) -> None:
         self.table, self.arm, self.start, self.tokens = table, arm, start, 0.0
+        self.rows, self.gamma = rows, gamma
 
 
 class SamplingPolicy:
@@ -315,7 +427,8 @@ class SamplingPolicy:
     (which take no gamma from the acceptance) are timed against plain steps: a head better than the
     prior shows it only by drafting. The caller's `confidence` replaces the drafting arms. With more rows
     than a class already timed, arms that draft more than the fastest drafting arm there are only
-    revisited (`_worth_exploring`).
+    revisited (`_worth_exploring`). With several rows on the CPU, once the class's line is known, the
+    gamma it predicts fastest (FITTED) and plain steps are the only arms (`_fitted`, `_fitted_or_plain`).
     Stops read only the draft's own distribution, so no arm changes what is sampled; but the arm a cycle
     takes follows the clock, so seeded sampling under auto is not reproduced token for token."""
 
@@ -333,6 +446,8 @@ class SamplingPolicy:
         self.arms = drafting + (PLAIN,)
         self.used_confidence: float | None = None  # the draft stops some cycle used
         self._accepted = self._judged = 0.0  # fading sums over judged drafts
+        # cycles time the row class's line where the arms include the chain arms of several rows (`arms_at`)
+        self._fits = self.arms[:2] == (STOPS, FIXED)
         self._clock = clock or time.perf_counter
         self._run: _Run | None = None
         # the most plain steps the run `next` chose may take (None: as many as the loop fuses)
@@ -351,8 +466,13 @@ class SamplingPolicy:
         if table is None:  # made only when missing: a table's seeded generator costs ~30 us, a cycle ~2 ms
             table = self.tables[cls] = Arms(EXPLORE_CYCLES)
         gamma = self._choose(self.alpha) if self.pays else 0
+        fitted = 0
         if gamma:
             arms = self.arms_at(rows, gamma)
+            if SHORT in arms:
+                fitted, predicted = self._fitted(table, rows)
+                if fitted:  # the line replaces the model's gamma, its fractions and draft stops
+                    arms = (FITTED, PLAIN)
         elif self.pays and self.stops is not None and (self.alpha >= PRIOR_ALPHA or self._judged < 1.0):
             # no gamma pays at this acceptance, but no draft judged lately (its weight fades with
             # HALF_LIFE) says the head is worse than the prior: draft stops take no gamma from it, so the
@@ -361,21 +481,54 @@ class SamplingPolicy:
             arms = (STOPS, PLAIN)
         else:
             arms = (PLAIN,)
-        arm = table.pick(arms, self._worth_exploring(cls, arms)) if len(arms) > 1 else PLAIN
-        self._run = _Run(table, arm, now)
+        if fitted:
+            arm = self._fitted_or_plain(table, fitted, predicted)
+        else:
+            arm = table.pick(arms, self._worth_exploring(cls, arms)) if len(arms) > 1 else PLAIN
         self.plain_steps = None
+        chosen = {PLAIN: 0, FIXED: gamma, SHORT: gamma // 2, THIRD: gamma // 3, FITTED: fitted}.get(arm)
+        self._run = _Run(table, arm, now, rows, self.sure_gamma if chosen is None else chosen)
         if arm == PLAIN:
             if len(arms) > 1 and table.best(arms) != PLAIN:
                 self.plain_steps = max(EXPLORE_STEPS, math.ceil(EXPLORE_SECONDS / self.costs.t_step))
             return 0, None
-        if arm == FIXED:
-            return gamma, None
-        if arm == SHORT:
-            return gamma // 2, None
-        if arm == THIRD:
-            return gamma // 3, None
+        if chosen is not None:
+            return chosen, None
         self.used_confidence = self.stops
         return self.sure_gamma, self.stops
+
+    def _fitted_or_plain(self, table: Arms, gamma: int, predicted: float) -> str:
+        """FITTED (drafting `gamma`, `predicted` seconds per token) or PLAIN: plain decoding is explored
+        EXPLORE_CYCLES times, then each runs when due for a revisit (`Arms._due`), else the faster: plain
+        decoding by its timed runs, the fitted gamma by its line and the acceptance by depth (steady where
+        its timed runs are not)."""
+        if table.runs.get(PLAIN, 0) < table.explore:
+            return PLAIN
+        best = FITTED if predicted < table.rate(PLAIN)[0] else PLAIN
+        ran = [arm for arm in (FITTED, PLAIN) if arm in table.sums]
+        return table._due((FITTED, PLAIN), ran, best) or best
+
+    def _fitted(self, table: Arms, rows: int) -> tuple[int, float]:
+        """(the gamma with the most expected tokens per second for `rows` rows by the row class's line and
+        acceptance by depth, its predicted seconds per token); (0, 0.0) while the line is not known. Every
+        DITHER-th choice drafts one more, every other DITHER-th one fewer (at the best one's seconds per
+        token: a dither is no reason to decode plainly)."""
+        fit = table.line.fit()
+        if fit is None:
+            return 0, 0.0
+        a, b, c = fit
+        best, best_cost = 0, math.inf
+        tokens = table.depths.expected(self.max_gamma)
+        for gamma, expected in enumerate(tokens, 1):
+            cost = (a + b * gamma + c * rows * (gamma + 1)) / (rows * expected)  # seconds per token
+            if cost < best_cost:
+                best, best_cost = gamma, cost
+        table.line.turn = (table.line.turn + 1) % DITHER
+        if table.line.turn == 0:
+            best = min(best + 1, len(tokens))
+        elif table.line.turn == DITHER // 2:
+            best = max(best - 1, 1)
+        return best, best_cost
 
     def arms_at(self, rows: int, gamma: int) -> tuple[str, ...]:
         """The arms for a cycle of `rows` running rows whose cost model gives `gamma`: with several rows on
@@ -418,6 +571,8 @@ class SamplingPolicy:
         self._fade(sum(a + 1 for a in accepted) / len(accepted))
         self._accepted += sum(accepted)
         self._judged += sum(a + (a < n) for a, n in zip(accepted, proposed))
+        if self._run is not None and self._fits:
+            self._run.table.depths.observe(accepted, proposed)
 
     def plain(self, steps: int) -> None:
         """`steps` plain steps ran: nothing judged, the estimate drifts back toward the prior."""
@@ -442,6 +597,8 @@ class SamplingPolicy:
         run, self._run = self._run, None
         if run is not None and run.tokens:
             run.table.add(run.arm, now - run.start, run.tokens)
+            if self._fits and run.arm in CHAINS and run.gamma:
+                run.table.line.add(run.rows, run.gamma, now - run.start)
 
     def _fade(self, tokens: float) -> None:
         keep = 0.5 ** (tokens / HALF_LIFE)
