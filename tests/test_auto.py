@@ -506,7 +506,7 @@ def test_plain_steps_fastest_with_fewer_rows_rule_out_no_arm_with_more():
     assert share(ran[600 + 5 * EXPLORE_CYCLES:], FIXED) >= 1 - 4 * 1.5 / REVISIT
 
 
-def test_an_arm_only_revisited_takes_over_where_it_is_the_fastest():
+def test_an_arm_only_revisited_takes_over_where_it_is_the_fastest(no_line):
     """The rule above is a guess: where the model's gamma is the fastest with four rows after all (half of
     it was with two), its first revisit shows it and it decodes most of the time from then on."""
     two = {PLAIN: 2.0, FIXED: 1.5, SHORT: 1.0, THIRD: 1.2, STOPS: 1.5}
@@ -564,6 +564,20 @@ def test_line_fits_seconds_by_gamma_and_slots():
     for gamma in (2, 5, 10) * 4:
         falling.add(4, gamma, 2.0 - 0.1 * gamma)
     assert falling.fit() is None
+    cheaper_drafts = auto.Line()  # a draft step's term below 0 (noise): the slots' term alone
+    for rows, gamma in points:
+        cheaper_drafts.add(rows, gamma, 1.0 - 0.02 * gamma + 0.03 * rows * (gamma + 1))
+    a, b, c = cheaper_drafts.fit()
+    assert b == 0 and c > 0
+
+
+def test_arms_know_the_rows_their_tokens_came_from():
+    """`Arms.rows`: the rows an arm's runs carried, weighted by their tokens (a plain run at 8 rows emits 8
+    tokens a step, one at 5 rows 5), what plain steps' seconds per token are scaled from."""
+    arms = Arms(EXPLORE_CYCLES)
+    arms.add(PLAIN, 1.0, 256, rows=8)
+    arms.add(PLAIN, 1.0, 160, rows=5)
+    assert arms.rows(PLAIN) == pytest.approx((0.99 * 256 * 8 + 160 * 5) / (0.99 * 256 + 160))
 
 
 def test_depths_give_the_tokens_of_each_gamma():

@@ -105,8 +105,9 @@ FITTED = "fitted"  # the gamma of most tokens per second by the row class's cycl
 LONGEST_FIRST = (STOPS, FIXED, SHORT, THIRD, FITTED, PLAIN)
 CHAINS = (FIXED, SHORT, THIRD, FITTED)  # the arms that draft a fixed gamma: their cycles time the line
 # the line of a row class's cycle seconds over its verified slots decides the fitted gamma once it rests on
-# LINE_CYCLES cycles whose slots spread by LINE_SPREAD (a standard deviation): the model's gamma and half of
-# it, explored EXPLORE_CYCLES times each, give that at any row class of several rows
+# LINE_CYCLES cycles and as much spread of slots as LINE_CYCLES cycles LINE_SPREAD from their mean: the
+# model's gamma and half of it, explored EXPLORE_CYCLES times each, give that at any row class of several
+# rows
 LINE_CYCLES = 2 * EXPLORE_CYCLES
 LINE_SPREAD = 2.0
 # both terms of the line where gamma and slots are this far from collinear (1 - their squared correlation)
@@ -236,10 +237,11 @@ class Line:
         self._fit = False
 
     def fit(self) -> tuple[float, float, float] | None:
-        """(a, b, c); None while the line rests on fewer than LINE_CYCLES cycles or on slots that spread
-        less than LINE_SPREAD, or where the cycles' seconds do not rise with their slots (noise). Where
-        gamma and slots hardly vary apart (one row: slots are gamma + 1) or the draft steps' term comes out
-        below 0, the slots alone."""
+        """(a, b, c); None while the line rests on fewer than LINE_CYCLES cycles or on less spread of slots
+        than LINE_CYCLES cycles LINE_SPREAD apart from their mean give (a slope's error shrinks with both the
+        cycles and their spread: once settled, the dithers of hundreds of cycles keep it), or where the cycles' seconds do not rise with their slots (noise). Where
+        gamma and slots hardly vary apart (one row: slots are gamma + 1) or either term comes out below 0
+        (noise: on the shipped model at 4 rows, sampling, the slots' term did for a pass), the slots alone."""
         if self._fit is not False:
             return self._fit
         n, g, x, gg, gx, xx, t, gt, xt = self.sums
@@ -249,13 +251,13 @@ class Line:
         # centred sums: n x (co)variances
         sgg, sgx, sxx = gg - g * g / n, gx - g * x / n, xx - x * x / n
         sgt, sxt = gt - g * t / n, xt - x * t / n
-        if sxx < LINE_SPREAD * LINE_SPREAD * n:
+        if sxx < LINE_SPREAD * LINE_SPREAD * LINE_CYCLES:
             return None
         det = sgg * sxx - sgx * sgx
         b, c = 0.0, sxt / sxx
-        if det > LINE_APART * sgg * sxx:  # gamma and slots vary apart: both terms
+        if det > LINE_APART * sgg * sxx:  # gamma and slots vary apart: both terms, where both are >= 0
             both = (sgt * sxx - sxt * sgx) / det, (sxt * sgg - sgt * sgx) / det
-            if both[0] >= 0:
+            if both[0] >= 0 and both[1] > 0:
                 b, c = both
         if c <= 0:
             return None
@@ -317,20 +319,29 @@ class Arms:
         self.seconds = 0.0  # booked under every arm
         self._last: dict[str, float] = {}  # arm -> `seconds` when it last ran
         self._rates: dict[str, tuple[float, float]] = {}  # `rate` by arm until the next `add`
+        self._rows: dict[str, list[float]] = {}  # arm -> fading sums of tokens x rows, tokens (`rows`)
         self.line = Line()  # the chain arms' cycle seconds by verified slots (`SamplingPolicy`)
         self.depths = Depths()  # acceptance by draft depth in the row class's cycles
         # its own generator: the draws move neither torch's nor the caller's random state
         self._draw = random.Random(0)
 
-    def add(self, arm: str, seconds: float, tokens: float) -> None:
-        """A run of `arm` took `seconds` for `tokens` tokens (every row's)."""
+    def add(self, arm: str, seconds: float, tokens: float, rows: int = 1) -> None:
+        """A run of `arm` took `seconds` for `tokens` tokens (every row's) over `rows` rows."""
         sums = self.sums.setdefault(arm, [0.0] * 6)
         for i, x in enumerate((1.0, seconds, tokens, seconds * seconds, tokens * tokens, seconds * tokens)):
             sums[i] = TIME_KEEP * sums[i] + x
+        weighted = self._rows.setdefault(arm, [0.0, 0.0])
+        weighted[0] = TIME_KEEP * weighted[0] + tokens * rows
+        weighted[1] = TIME_KEEP * weighted[1] + tokens
         self.runs[arm] = self.runs.get(arm, 0) + 1
         self.seconds += seconds
         self._last[arm] = self.seconds
         self._rates.clear()
+
+    def rows(self, arm: str) -> float:
+        """The rows the arm's runs carried, weighted by the tokens they emitted (as its `rate` is)."""
+        weighted = self._rows[arm]
+        return weighted[0] / weighted[1]
 
     def rate(self, arm: str) -> tuple[float, float]:
         """(seconds per token, its variance): the ratio estimator over the arm's faded runs."""
@@ -482,7 +493,7 @@ class SamplingPolicy:
         else:
             arms = (PLAIN,)
         if fitted:
-            arm = self._fitted_or_plain(table, fitted, predicted)
+            arm = self._fitted_or_plain(table, rows, predicted)
         else:
             arm = table.pick(arms, self._worth_exploring(cls, arms)) if len(arms) > 1 else PLAIN
         self.plain_steps = None
@@ -497,14 +508,20 @@ class SamplingPolicy:
         self.used_confidence = self.stops
         return self.sure_gamma, self.stops
 
-    def _fitted_or_plain(self, table: Arms, gamma: int, predicted: float) -> str:
-        """FITTED (drafting `gamma`, `predicted` seconds per token) or PLAIN: plain decoding is explored
-        EXPLORE_CYCLES times, then each runs when due for a revisit (`Arms._due`), else the faster: plain
+    def _fitted_or_plain(self, table: Arms, rows: int, predicted: float) -> str:
+        """FITTED (at `predicted` seconds per token) or PLAIN for `rows` rows: each is explored
+        EXPLORE_CYCLES times (the fitted gamma's cycles add to the line, which may rest on few cycles yet),
+        then each runs when due for a revisit (`Arms._due`), else the faster: plain
         decoding by its timed runs, the fitted gamma by its line and the acceptance by depth (steady where
         its timed runs are not)."""
-        if table.runs.get(PLAIN, 0) < table.explore:
-            return PLAIN
-        best = FITTED if predicted < table.rate(PLAIN)[0] else PLAIN
+        least = min((FITTED, PLAIN), key=lambda arm: table.runs.get(arm, 0))
+        if table.runs.get(least, 0) < table.explore:
+            return least
+        # plain steps' seconds per token at these rows: a step's time taken as the same at every row count
+        # of the class, so its seconds per token grow as rows end (at 8 rows on the shipped model plain
+        # runs timed at 8 rows made them look faster than gamma 4 at 5-6 rows, where they were 1.3x slower)
+        plain = table.rate(PLAIN)[0] * table.rows(PLAIN) / rows
+        best = FITTED if predicted < plain else PLAIN
         ran = [arm for arm in (FITTED, PLAIN) if arm in table.sums]
         return table._due((FITTED, PLAIN), ran, best) or best
 
@@ -571,7 +588,8 @@ class SamplingPolicy:
         self._fade(sum(a + 1 for a in accepted) / len(accepted))
         self._accepted += sum(accepted)
         self._judged += sum(a + (a < n) for a, n in zip(accepted, proposed))
-        if self._run is not None and self._fits:
+        if self._run is not None and self._fits and self._run.arm in CHAINS:
+            # (not draft stops: a row that stops after an unsure draft leaves the confident ones judged)
             self._run.table.depths.observe(accepted, proposed)
 
     def plain(self, steps: int) -> None:
@@ -596,7 +614,7 @@ class SamplingPolicy:
         """Books the last run's time (its `next` to this one) under its arm."""
         run, self._run = self._run, None
         if run is not None and run.tokens:
-            run.table.add(run.arm, now - run.start, run.tokens)
+            run.table.add(run.arm, now - run.start, run.tokens, run.rows)
             if self._fits and run.arm in CHAINS and run.gamma:
                 run.table.line.add(run.rows, run.gamma, now - run.start)
 
