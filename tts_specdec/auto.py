@@ -239,9 +239,10 @@ class Line:
     def fit(self) -> tuple[float, float, float] | None:
         """(a, b, c); None while the line rests on fewer than LINE_CYCLES cycles or on less spread of slots
         than LINE_CYCLES cycles LINE_SPREAD apart from their mean give (a slope's error shrinks with both the
-        cycles and their spread: once settled, the dithers of hundreds of cycles keep it), or where the cycles' seconds do not rise with their slots (noise). Where
-        gamma and slots hardly vary apart (one row: slots are gamma + 1) or either term comes out below 0
-        (noise: on the shipped model at 4 rows, sampling, the slots' term did for a pass), the slots alone."""
+        cycles and their spread: once settled, the dithers of hundreds of cycles keep it), or where the
+        cycles' seconds do not rise with their slots (noise). Where gamma and slots hardly vary apart or
+        either term comes out below 0 (noise: on the shipped model at 4 rows, sampling, the slots' term did
+        for a pass), the slots alone."""
         if self._fit is not False:
             return self._fit
         n, g, x, gg, gx, xx, t, gt, xt = self.sums
@@ -357,7 +358,7 @@ class Arms:
     def pick(self, arms: Sequence[str], explore: Sequence[str] | None = None) -> str:
         """The arm to run next among `arms`: while an arm of `explore` (default: all of `arms`) ran fewer
         than `self.explore` times, the one that ran least (in turn: load elsewhere hits each alike); else
-        the first arm due for a revisit (`_due`); else, where plain decoding (or plain beam search) is the
+        the first arm due for a revisit (`due`); else, where plain decoding (or plain beam search) is the
         fastest, that; else the lowest draw among the speculative arms of `explore` (an arm outside it runs
         where its estimate is the lowest, or when due)."""
         explore = arms if explore is None else explore
@@ -369,7 +370,7 @@ class Arms:
         if not ran:
             return arms[0]
         best = self.best(ran)
-        due = self._due(arms, ran, best)
+        due = self.due(arms, ran, best)
         if due is not None:
             return due
         if best == PLAIN:
@@ -389,7 +390,7 @@ class Arms:
             return best
         return drawn
 
-    def _due(self, arms: Sequence[str], ran: Sequence[str], best: str) -> str | None:
+    def due(self, arms: Sequence[str], ran: Sequence[str], best: str) -> str | None:
         """The first arm due for a revisit: one that has not run while the others ran REVISIT times its
         own run's seconds. Plain decoding (what every speculative arm must beat) and the runner-up (the
         fastest arm but the best) keep that interval; the other speculative arms' is as many times longer
@@ -457,7 +458,8 @@ class SamplingPolicy:
         self.arms = drafting + (PLAIN,)
         self.used_confidence: float | None = None  # the draft stops some cycle used
         self._accepted = self._judged = 0.0  # fading sums over judged drafts
-        # cycles time the row class's line where the arms include the chain arms of several rows (`arms_at`)
+        # cycles time the row class's line where the arms include the chain arms of several rows (`arms_at`;
+        # the line and the depths are read only there, so one row keeps neither)
         self._fits = self.arms[:2] == (STOPS, FIXED)
         self._clock = clock or time.perf_counter
         self._run: _Run | None = None
@@ -511,7 +513,7 @@ class SamplingPolicy:
     def _fitted_or_plain(self, table: Arms, rows: int, predicted: float) -> str:
         """FITTED (at `predicted` seconds per token) or PLAIN for `rows` rows: each is explored
         EXPLORE_CYCLES times (the fitted gamma's cycles add to the line, which may rest on few cycles yet),
-        then each runs when due for a revisit (`Arms._due`), else the faster: plain
+        then each runs when due for a revisit (`Arms.due`), else the faster: plain
         decoding by its timed runs, the fitted gamma by its line and the acceptance by depth (steady where
         its timed runs are not)."""
         least = min((FITTED, PLAIN), key=lambda arm: table.runs.get(arm, 0))
@@ -523,7 +525,7 @@ class SamplingPolicy:
         plain = table.rate(PLAIN)[0] * table.rows(PLAIN) / rows
         best = FITTED if predicted < plain else PLAIN
         ran = [arm for arm in (FITTED, PLAIN) if arm in table.sums]
-        return table._due((FITTED, PLAIN), ran, best) or best
+        return table.due((FITTED, PLAIN), ran, best) or best
 
     def _fitted(self, table: Arms, rows: int) -> tuple[int, float]:
         """(the gamma with the most expected tokens per second for `rows` rows by the row class's line and
@@ -588,7 +590,7 @@ class SamplingPolicy:
         self._fade(sum(a + 1 for a in accepted) / len(accepted))
         self._accepted += sum(accepted)
         self._judged += sum(a + (a < n) for a, n in zip(accepted, proposed))
-        if self._run is not None and self._fits and self._run.arm in CHAINS:
+        if self._run is not None and self._fits and self._run.arm in CHAINS and self._run.rows > 1:
             # (not draft stops: a row that stops after an unsure draft leaves the confident ones judged)
             self._run.table.depths.observe(accepted, proposed)
 
@@ -615,7 +617,7 @@ class SamplingPolicy:
         run, self._run = self._run, None
         if run is not None and run.tokens:
             run.table.add(run.arm, now - run.start, run.tokens, run.rows)
-            if self._fits and run.arm in CHAINS and run.gamma:
+            if self._fits and run.arm in CHAINS and run.gamma and run.rows > 1:
                 run.table.line.add(run.rows, run.gamma, now - run.start)
 
     def _fade(self, tokens: float) -> None:
