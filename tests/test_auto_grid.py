@@ -5,8 +5,10 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tts_specdec.results import DecodeStats
 
@@ -18,7 +20,7 @@ _spec.loader.exec_module(auto_grid)
 
 def scripted(name: str, tokens: list[int], order: list[str], out=None) -> auto_grid.Mode:
     """A mode that records when it ran and returns `tokens` (its emitted tokens' lists)."""
-    def run():
+    def run(rep):
         order.append(name)
         return 10, DecodeStats(gamma_hist=[2, 1]), tokens if out is None else out.pop(0)
     return auto_grid.Mode(name, [run])
@@ -41,7 +43,7 @@ def test_batches_interleave_call_by_call():
 
     def mode(name):
         def call(i):
-            def run():
+            def run(rep):
                 order.append((name, i))
                 return 10 + i, DecodeStats(gamma_hist=[i]), [[i]]
             return run
@@ -52,6 +54,27 @@ def test_batches_interleave_call_by_call():
     assert order[:6] == [("plain", 0), ("fixed", 0), ("auto", 0), ("fixed", 1), ("auto", 1), ("plain", 1)]
     assert order[6:9] == [("fixed", 0), ("auto", 0), ("plain", 0)]
     assert all(m.tokens == [21] * 3 and m.gamma_hist == [3] for m in modes)
+
+
+def test_sampling_draws_a_seed_per_batch_and_pass_the_same_in_every_mode():
+    """Each pass samples other draws (a seed kept across passes froze the fixed gamma's draws while auto's
+    moved), and within a pass every mode draws with the same seed for the same batch."""
+    seeds = []
+
+    class Fake:
+        def sample(self, source, generator=None, **kw):
+            seeds.append((kw["gamma"], source, generator.initial_seed()))
+            return SimpleNamespace(stats=DecodeStats(generated_tokens=1), tokens=[torch.tensor([1])])
+
+    inputs = [("batch0", 8), ("batch1", 8)]
+    modes = auto_grid.modes(Fake(), "sample", inputs, seed=7)
+    assert auto_grid.measure(modes, 3)
+    by_pass = [seeds[k:k + 6] for k in range(0, len(seeds), 6)]
+    assert len(by_pass) == 4  # the warm-up and three timed passes
+    for rep, calls in enumerate(by_pass):
+        for gamma, source, seed in calls:
+            assert seed == 7 + rep * 2 + (source == "batch1")
+    assert len({seed for _, _, seed in seeds}) == 8  # every batch of every pass its own
 
 
 def test_other_tokens_than_plain_are_found():

@@ -8,7 +8,8 @@ gamma 1 at the default draft width, the width auto uses) and gamma="auto". One u
 `--reps` passes; a pass runs each batch of sentences in the three modes one after another, in an order
 that rotates from batch to batch and pass to pass (interleaved call by call: load elsewhere, which on
 this 2-core machine moved whole passes by 10-20%, hits the modes alike); a mode's speed is its median
-tokens/s over the passes. One
+tokens/s over the passes. Sampling draws with a seed per batch and pass, the same in every mode of a
+pass, so a mode's median is over several draws, not one draw repeated. One
 `SpeculativeDecoder` per model serves every cell, as it would a user's session: what auto measures
 and learns is kept across its calls. Greedy decoding and beam search must return plain decoding's tokens
 under auto and the fixed setting: a cell where they do not is reported and the tool exits non-zero.
@@ -54,7 +55,8 @@ QUICK = dict(models=["shipped"], batches=[1, 2], threads=[1], reps=3)
 @dataclass
 class Mode:
     name: str  # "plain", "fixed" or "auto"
-    calls: list[Callable[[], tuple[int, DecodeStats, list[list[int]]]]]  # per batch -> tokens, stats, the tokens
+    # per batch: pass number (0: the warm-up) -> tokens, stats, the tokens
+    calls: list[Callable[[int], tuple[int, DecodeStats, list[list[int]]]]]
     times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     gamma_hist: list[int] = field(default_factory=list)  # summed over the timed passes
@@ -95,13 +97,16 @@ def modes(dec: SpeculativeDecoder, family: str, inputs: list[tuple[torch.Tensor,
         method, settings = "sample", {"plain": dict(gamma=0), "fixed": dict(gamma=FIXED_GAMMA), "auto": dict(gamma="auto")}
         common = dict(temperature=1.0 if family == "sample" else 0.0)
 
-    def call(setting: dict, i: int) -> Callable[[], tuple[int, DecodeStats, list[list[int]]]]:
+    def call(setting: dict, i: int) -> Callable[[int], tuple[int, DecodeStats, list[list[int]]]]:
         source, max_length = inputs[i]
 
-        def go() -> tuple[int, DecodeStats, list[list[int]]]:
+        def go(rep: int) -> tuple[int, DecodeStats, list[list[int]]]:
             kw = dict(common, **setting, max_length=max_length)
-            if family == "sample":  # each batch its own seed, the same in every pass and mode
-                kw["generator"] = torch.Generator().manual_seed(seed + i)
+            if family == "sample":
+                # each batch and pass its own seed, the same in every mode: a seed kept from pass to pass
+                # would freeze a fixed gamma's draws (lengths, a batch's long last row) while auto's move,
+                # and at width 512, batch 8, gamma 4 ran 1.33x or 1.59x of plain by the seed alone
+                kw["generator"] = torch.Generator().manual_seed(seed + rep * len(inputs) + i)
             out = getattr(dec, method)(source, **kw)
             return out.stats.generated_tokens, out.stats, [t.tolist() for t in out.tokens]
         return go
@@ -122,7 +127,7 @@ def measure(cell_modes: list[Mode], reps: int) -> bool:
         for i in range(len(cell_modes[0].calls)):
             for m in [(rep + i + j) % n_modes for j in range(n_modes)]:
                 start = time.perf_counter()
-                n, call_stats, call_tokens = cell_modes[m].calls[i]()
+                n, call_stats, call_tokens = cell_modes[m].calls[i](rep)
                 seconds[m] += time.perf_counter() - start
                 tokens[m] += n
                 hists[m] = _add(hists[m], call_stats.gamma_hist)
