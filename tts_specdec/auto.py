@@ -590,7 +590,7 @@ class SamplingPolicy:
         self._fade(sum(a + 1 for a in accepted) / len(accepted))
         self._accepted += sum(accepted)
         self._judged += sum(a + (a < n) for a, n in zip(accepted, proposed))
-        if self._run is not None and self._fits and self._run.arm in CHAINS and self._run.rows > 1:
+        if self._run is not None and self._times_line(self._run):
             # (not draft stops: a row that stops after an unsure draft leaves the confident ones judged)
             self._run.table.depths.observe(accepted, proposed)
 
@@ -617,8 +617,13 @@ class SamplingPolicy:
         run, self._run = self._run, None
         if run is not None and run.tokens:
             run.table.add(run.arm, now - run.start, run.tokens, run.rows)
-            if self._fits and run.arm in CHAINS and run.gamma and run.rows > 1:
+            if self._times_line(run) and run.gamma:
                 run.table.line.add(run.rows, run.gamma, now - run.start)
+
+    def _times_line(self, run: _Run) -> bool:
+        """Whether `run` feeds its class's line and acceptance by depth: a chain arm's run of several rows,
+        where the arms include the chain arms (`_fits`; one row reads neither)."""
+        return self._fits and run.arm in CHAINS and run.rows > 1
 
     def _fade(self, tokens: float) -> None:
         keep = 0.5 ** (tokens / HALF_LIFE)
