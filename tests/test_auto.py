@@ -1318,3 +1318,52 @@ def test_auto_beam_policy_takes_its_steps_per_cycle_from_the_calibrated_prior(mo
     costs.beam_policy(dec, 1, 4, 5, False)
     assert seen == [pytest.approx(beam_steps_per_cycle({2: (230.0, 100.0)}, (1, 2)))]
     assert seen[0][0] > BEAM_PRIOR_STEPS[0]
+
+
+
+def test_plain_steps_anchor_the_line_where_cycles_sit_at_a_few_gammas():
+    """Cycles timed at gammas 7 and 9 only (four rows), whose slope between them runs a little below the
+    true one: alone they put the line's start at gamma 0 half a second high and gamma 3's cycles 13% dear.
+    Plain steps (the line at gamma 0, less a cycle's own bookkeeping) anchor it: gamma 3 within 5%. The
+    cycles still decide whether there is a line."""
+    def truth(gamma):
+        return 1.0 + 0.45 * gamma
+
+    def cycles_at_7_and_9():
+        line = auto.Line()
+        for _ in range(auto.LINE_CYCLES):
+            line.add(4, 7, truth(7))
+            line.add(4, 9, truth(7) + 2 * 0.375)
+        return line
+
+    def at(fit, gamma):
+        a, b, c = fit
+        return a + b * gamma + c * 4 * (gamma + 1)
+
+    alone = cycles_at_7_and_9().fit()
+    assert at(alone, 3) > 1.1 * truth(3)
+    anchored = cycles_at_7_and_9()
+    for _ in range(10):
+        anchored.anchor(4, 0.95)
+    assert at(anchored.fit(), 3) == pytest.approx(truth(3), rel=0.05)
+    steps_only = auto.Line()
+    for rows in (2, 4, 8) * 10:
+        steps_only.anchor(rows, 0.1 * rows)
+    assert steps_only.fit() is None
+    few = auto.Line()
+    for _ in range(auto.LINE_CYCLES - 1):
+        few.add(4, 7, truth(7))
+    for _ in range(10):
+        few.anchor(4, 0.95)
+    assert few.fit() is None
+
+
+def test_runs_of_plain_steps_anchor_their_row_class_line():
+    """Each run of plain steps at several rows adds its mean step (seconds / steps) at those rows to the row
+    class's line; one row keeps no line."""
+    script = Cycles(lambda rows, gamma: 1.0 + 0.2 * gamma + 0.05 * rows * (gamma + 1), accepts=4, plain=0.08)
+    tables: dict[int, Arms] = {}
+    script.run(SamplingPolicy(FLAT, tables, clock=script.clock), [8] * 300 + [1] * 100)
+    n, _, slots, _, _, _, seconds = tables[8].line.steps[:7]
+    assert n > 0 and slots / n == pytest.approx(8) and seconds / n == pytest.approx(0.08 * 8)
+    assert tables[1].line.steps[0] == 0
