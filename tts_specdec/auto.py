@@ -215,88 +215,55 @@ def row_class(rows: int) -> int:
 
 class Line:
     """Least squares through a row class's speculative cycles: seconds = a + b * gamma + c * rows x (gamma +
-    1), over sums that fade by LINE_KEEP per point. Drafting costs each draft step a kernel call whatever the
+    1), over sums that fade by LINE_KEEP per cycle. Drafting costs each draft step a kernel call whatever the
     rows (b), the verify pass and the draft steps' products cost by the tokens they carry (c): at 8 rows
     on the shipped model, one term in verified slots alone (a row count moves them as a gamma does)
     predicted gamma 2's cycles 18% dearer than they ran. A cycle's time varies little at a given gamma and
     row count, while the tokens it emits swing from 1 to gamma + 1 per row; so the line, with the acceptance
     by depth (`Depths`), tells gammas apart in a few cycles where their seconds per token (`Arms`) take
     many: at 4-8 rows on the shipped model those estimates still ranked the arms wrongly after three passes
-    over 24 sentences.
-
-    Plain steps anchor it (`anchor`): a step verifies one token per row and drafts none, the line at gamma
-    0. Cycles alone sit at the gamma chosen and its dithers, and a line through them alone finds its start
-    by extrapolating to gamma 0: on the shipped model at batch 4 (1 thread, sampling) it came out 0.4-1.0 ms
-    above the 1.0-1.1 ms that cycles of gamma 1-8 gave, so short gammas looked dear, auto drafted 7-8 or
-    decoded plainly, and plain steps ran no cycle to correct it: six fresh processes ran 0.90-0.96x (0.94 on
-    average) of the faster of plain decoding and gamma 4, anchored 0.98 on average. A plain step lacks a
-    cycle's accept rule and bookkeeping, so the anchor, if anything, prices short gammas a little low; the
-    gamma chosen then times its own cycles, and the line passes through them."""
+    over 24 sentences."""
 
     def __init__(self) -> None:
-        # n, g, s, g*g, g*s, s*s, t, g*t, s*t for gamma g, slots s = rows x (g + 1), seconds t: the cycles'
-        # and the plain steps' (g = 0); both fade by LINE_KEEP per point of either kind, so while plain steps
-        # decode the cycles timed before (the first calls', often slow) age as they would had cycles run
+        # n, g, s, g*g, g*s, s*s, t, g*t, s*t for gamma g, slots s = rows x (g + 1), seconds t
         self.sums = [0.0] * 9
-        self.steps = [0.0] * 9
         self._fit: tuple[float, float, float] | None | bool = False  # `fit` since the last add (False: none)
         self.turn = 0  # counts fitted choices (`SamplingPolicy._fitted`: DITHER)
 
     def add(self, rows: int, gamma: int, seconds: float) -> None:
-        """A cycle of `gamma` drafts over `rows` rows took `seconds`."""
-        self._add(self.sums, rows, gamma, seconds)
-
-    def anchor(self, rows: int, seconds: float) -> None:
-        """A plain step over `rows` rows took `seconds` (a run's mean)."""
-        self._add(self.steps, rows, 0, seconds)
-
-    def _add(self, sums: list[float], rows: int, gamma: int, seconds: float) -> None:
         g, x = float(gamma), float(rows * (gamma + 1))
-        self.sums = [LINE_KEEP * v for v in self.sums]
-        self.steps = [LINE_KEEP * v for v in self.steps]
-        sums = self.sums if gamma else self.steps
         for i, v in enumerate((1.0, g, x, g * g, g * x, x * x, seconds, g * seconds, x * seconds)):
-            sums[i] += v
+            self.sums[i] = LINE_KEEP * self.sums[i] + v
         self._fit = False
 
     def fit(self) -> tuple[float, float, float] | None:
-        """(a, b, c); None while the cycles rest on fewer than LINE_CYCLES cycles or on less spread of slots
+        """(a, b, c); None while the line rests on fewer than LINE_CYCLES cycles or on less spread of slots
         than LINE_CYCLES cycles LINE_SPREAD apart from their mean give (a slope's error shrinks with both the
         cycles and their spread: once settled, the dithers of hundreds of cycles keep it), or where the
-        cycles' seconds do not rise with their slots (noise). Once the cycles pass, the coefficients come
-        from them and the plain steps together (where those, too, give a slope above 0)."""
+        cycles' seconds do not rise with their slots (noise). Where gamma and slots hardly vary apart or
+        either term comes out below 0 (noise: on the shipped model at 4 rows, sampling, the slots' term did
+        for a pass), the slots alone."""
         if self._fit is not False:
             return self._fit
+        n, g, x, gg, gx, xx, t, gt, xt = self.sums
         self._fit = None
-        n, x, xx = self.sums[0], self.sums[2], self.sums[5]
-        if n < LINE_CYCLES or xx - x * x / n < LINE_SPREAD * LINE_SPREAD * LINE_CYCLES:
+        if n < LINE_CYCLES:
             return None
-        cycles = _least_squares(self.sums)
-        if cycles is not None:
-            both = _least_squares([u + v for u, v in zip(self.sums, self.steps)]) if self.steps[0] else None
-            self._fit = both or cycles
+        # centred sums: n x (co)variances
+        sgg, sgx, sxx = gg - g * g / n, gx - g * x / n, xx - x * x / n
+        sgt, sxt = gt - g * t / n, xt - x * t / n
+        if sxx < LINE_SPREAD * LINE_SPREAD * LINE_CYCLES:
+            return None
+        det = sgg * sxx - sgx * sgx
+        b, c = 0.0, sxt / sxx
+        if det > LINE_APART * sgg * sxx:  # gamma and slots vary apart: both terms, where both are >= 0
+            both = (sgt * sxx - sxt * sgx) / det, (sxt * sgg - sgt * sgx) / det
+            if both[0] >= 0 and both[1] > 0:
+                b, c = both
+        if c <= 0:
+            return None
+        self._fit = ((t - b * g - c * x) / n, b, c)
         return self._fit
-
-
-def _least_squares(sums: Sequence[float]) -> tuple[float, float, float] | None:
-    """(a, b, c) of `Line` from its sums; None where the seconds do not rise with the slots. Where gamma and
-    slots hardly vary apart or either term comes out below 0 (noise: on the shipped model at 4 rows,
-    sampling, the slots' term did for a pass), the slots alone."""
-    n, g, x, gg, gx, xx, t, gt, xt = sums
-    # centred sums: n x (co)variances
-    sgg, sgx, sxx = gg - g * g / n, gx - g * x / n, xx - x * x / n
-    sgt, sxt = gt - g * t / n, xt - x * t / n
-    if sxx <= 0:
-        return None
-    det = sgg * sxx - sgx * sgx
-    b, c = 0.0, sxt / sxx
-    if det > LINE_APART * sgg * sxx:  # gamma and slots vary apart: both terms, where both are >= 0
-        both = (sgt * sxx - sxt * sgx) / det, (sxt * sgg - sgt * sgx) / det
-        if both[0] >= 0 and both[1] > 0:
-            b, c = both
-    if c <= 0:
-        return None
-    return (t - b * g - c * x) / n, b, c
 
 
 class Depths:
@@ -455,7 +422,7 @@ class _Run:
 
     def __init__(self, table: Arms, arm: str, start: float, rows: int = 0, gamma: int = 0) -> None:
         self.table, self.arm, self.start, self.tokens = table, arm, start, 0.0
-        self.rows, self.gamma, self.steps = rows, gamma, 0
+        self.rows, self.gamma = rows, gamma
 
 
 class SamplingPolicy:
@@ -630,8 +597,6 @@ class SamplingPolicy:
     def plain(self, steps: int) -> None:
         """`steps` plain steps ran: nothing judged, the estimate drifts back toward the prior."""
         self._fade(steps)
-        if self._run is not None:
-            self._run.steps += steps
 
     def kept(self, tokens: int) -> None:
         """The tokens the last cycle or run of plain steps kept, EOS and max_length applied: what its time
@@ -654,8 +619,6 @@ class SamplingPolicy:
             run.table.add(run.arm, now - run.start, run.tokens, run.rows)
             if self._times_line(run) and run.gamma:
                 run.table.line.add(run.rows, run.gamma, now - run.start)
-            elif self._fits and run.arm == PLAIN and run.rows > 1 and run.steps:
-                run.table.line.anchor(run.rows, (now - run.start) / run.steps)
 
     def _times_line(self, run: _Run) -> bool:
         """Whether `run` feeds its class's line and acceptance by depth: a chain arm's run of several rows,
