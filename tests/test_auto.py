@@ -581,17 +581,62 @@ def test_arms_know_the_rows_their_tokens_came_from():
 
 
 def test_depths_give_the_tokens_of_each_gamma():
-    """Rows that always accept their first two drafts and never the third: a gamma of 1 emits 2 tokens, 2
-    or more emit 3 (the prior, PRIOR_WEIGHT drafts a depth against ~125 judged, adds a few hundredths); before
-    any cycle every depth holds the prior, so a gamma's tokens are Leviathan et al.'s at PRIOR_ALPHA."""
+    """Rows that start after a rejection accept their first two drafts and never the third; rows that start
+    after an all-accepted cycle accept one. Drafting g every cycle: gamma 1 accepts all from either start
+    (2 tokens); gamma 2 alternates (all accepted from a rejection, then one from there: 2.5 tokens a cycle);
+    3 or more reject from either start, so rows stay after a rejection (3 tokens). The prior (PRIOR_WEIGHT
+    drafts a depth against ~125 judged) adds a few hundredths; before any cycle every depth holds the prior,
+    so a gamma's tokens are Leviathan et al.'s at PRIOR_ALPHA. A row whose start is not known counts
+    nowhere."""
     fresh = auto.Depths()
     assert fresh.expected(MAX_GAMMA) == pytest.approx([expected_tokens(auto.PRIOR_ALPHA, g) for g in range(1, MAX_GAMMA + 1)])
     depths = auto.Depths()
     for _ in range(3000):
-        depths.observe([2, 2, 2], [4, 4, 4])
-    assert depths.expected(5) == pytest.approx([2, 3, 3, 3, 3], abs=0.05)
-    depths.observe([1], [1])  # all its drafts accepted: depth 2 was not judged
-    assert depths.reached[1] == pytest.approx(depths.passed[1])
+        depths.observe([2, 1, 2], [4, 4, 4], [False, True, None])
+    assert depths.expected(5) == pytest.approx([2, 2.5, 3, 3, 3], abs=0.05)
+    assert depths.reached[auto.AFTER_REJECT][0] == pytest.approx(depths.reached[auto.AFTER_ALL][0])  # not 2x
+    depths.observe([1], [1], [False])  # all its drafts accepted: depth 2 was not judged
+    assert depths.reached[auto.AFTER_REJECT][1] == pytest.approx(depths.passed[auto.AFTER_REJECT][1])
+
+
+def test_a_policy_tells_each_rows_start_from_how_its_last_cycle_ended():
+    """The depths learn by start only where the start is known: from the cycle before while the rows stay
+    the same (in order), not in a call's first cycle, after rows ended, or after plain steps."""
+    table = Arms(auto.EXPLORE_CYCLES)
+    policy = SamplingPolicy(FLAT, {2: table}, clock=still)
+    depths = table.depths
+
+    def cycle(accepted, proposed):
+        policy._run = auto._Run(table, FIXED, 0.0, rows=len(accepted), gamma=4)
+        policy.observe(accepted, proposed)
+
+    cycle([4, 1], [4, 4])  # the call's first: starts unknown
+    assert sum(depths.reached[0]) + sum(depths.reached[1]) == 0
+    cycle([2, 3], [4, 4])  # row 0 after an all-accepted cycle, row 1 after a rejection
+    assert depths.reached[auto.AFTER_ALL][:4] == [1, 1, 1, 0] and depths.passed[auto.AFTER_ALL][:3] == [1, 1, 0]
+    assert depths.reached[auto.AFTER_REJECT][:4] == [1, 1, 1, 1] and depths.passed[auto.AFTER_REJECT][:4] == [1, 1, 1, 0]
+    cycle([0], [4])  # a row ended: which one is left is not known
+    policy.plain(1)
+    cycle([1, 1], [4, 4])  # after plain steps
+    assert sum(depths.reached[auto.AFTER_ALL]) == pytest.approx(3, abs=0.05)
+
+
+def test_line_takes_each_shape_at_its_median():
+    """Cycles on an exact a + b * gamma + c * slots, one in four of each (rows, gamma) taking 5x (the other
+    thread interrupted it): the fit is the exact line's. A shape's window keeps its LINE_WINDOW latest
+    cycles: a shape that got dearer moves the fit once most of its window did."""
+    def seconds(rows, gamma):
+        return 0.5 + 0.2 * gamma + 0.03 * rows * (gamma + 1)
+
+    line = auto.Line()
+    for i in range(8):
+        for rows, gamma in [(rows, gamma) for rows in (5, 6, 8) for gamma in (2, 3, 5, 10)]:
+            line.add(rows, gamma, seconds(rows, gamma) * (5.0 if i % 4 == 1 else 1.0))
+    assert line.fit() == pytest.approx((0.5, 0.2, 0.03), rel=1e-6)
+    for _ in range(auto.LINE_WINDOW // 2 + 1):
+        for rows, gamma in [(rows, gamma) for rows in (5, 6, 8) for gamma in (2, 3, 5, 10)]:
+            line.add(rows, gamma, 2.0 * seconds(rows, gamma))
+    assert line.fit() == pytest.approx((1.0, 0.4, 0.06), rel=1e-6)
 
 
 class Cycles(Script):
@@ -653,6 +698,31 @@ def test_several_rows_decode_plainly_where_plain_steps_beat_the_fitted_gamma():
         seconds[gamma == 0] += 0.08 * 32 * rows if gamma == 0 else 1.0 + 0.2 * gamma + 0.05 * rows * (gamma + 1)
     assert seconds[True] / (seconds[True] + seconds[False]) >= 0.9
     assert any(g > 0 for _, g in later)  # the fitted gamma revisited
+
+
+def test_several_rows_speculate_where_the_fitted_gamma_ran_faster_than_plain_steps():
+    """The line picks the gamma; the timed runs of the fitted gamma and of plain steps pick between them.
+    A line through cycles of 1 + 0.2 gamma + 0.05 x 8 (gamma + 1) s at the prior's acceptance predicts
+    its gamma at over 0.12 s a token, plain steps ran at 0.08; the fitted gamma's own runs took 0.05 (its
+    cycles emitted more than the depths expected): it drafts. Once its runs turn slower than plain
+    steps', plain steps run."""
+    tables: dict[int, Arms] = {}
+    table = tables[8] = Arms(auto.EXPLORE_CYCLES)
+    for _ in range(auto.LINE_WINDOW):
+        for gamma in (2, 3, 5, 10):
+            table.line.add(8, gamma, 1.0 + 0.2 * gamma + 0.05 * 8 * (gamma + 1))
+    for _ in range(auto.EXPLORE_CYCLES):
+        table.add(auto.FITTED, 2.0, 40, rows=8)
+    for _ in range(auto.EXPLORE_CYCLES):
+        table.add(PLAIN, 0.08 * 256, 256, rows=8)
+    policy = SamplingPolicy(FLAT, tables, clock=still)
+    a, b, c = table.line.fit()
+    gamma = policy._fitted(table, 8)
+    assert gamma >= 1 and (a + b * gamma + c * 8 * (gamma + 1)) / (8 * table.depths.expected(gamma)[-1]) > 0.12
+    assert policy._fitted_or_plain(table, 8) == auto.FITTED
+    for _ in range(20):  # its runs turn slow: ~0.18 s a token
+        table.add(auto.FITTED, 8.0, 40, rows=8)
+    assert policy._fitted_or_plain(table, 8) == PLAIN
 
 
 def plain_caps(costs: CostModel, fastest: str, cycles: int = 400) -> list[int | None]:

@@ -9,7 +9,8 @@ drafting that gamma, drafting with stops and (several rows on the CPU) a half an
 are arms (`Arms`) timed in seconds per emitted token on the decoder's own runs, per row count and kept
 across calls; the fastest decodes almost all the time and the others are revisited rarely. With several
 rows on the CPU, once those arms' cycles give it two gammas, a line of cycle seconds by gamma and tokens
-carried (`Line`) and the acceptance by draft depth (`Depths`) pick the gamma instead. Beam search chooses per call
+carried (`Line`) and the acceptance by draft depth (`Depths`) pick the gamma instead, and that gamma's
+timed runs and plain steps' decide between them. Beam search chooses per call
 between plain and speculative beam search the same way (`BeamPolicy`), seeded by timed short searches
 (`BeamCosts`).
 Every cycle, and every call, is exact on its own: no choice changes greedy tokens, beam search's result
@@ -26,7 +27,9 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -112,14 +115,14 @@ LINE_CYCLES = 2 * EXPLORE_CYCLES
 LINE_SPREAD = 2.0
 # both terms of the line where gamma and slots are this far from collinear (1 - their squared correlation)
 LINE_APART = 0.05
-# the line's sums fade slower than an arm's (TIME_KEEP): they must keep the far gammas explored first, or
-# once the fitted gamma settles every cycle sits at one point and the slopes are lost
-LINE_KEEP = 0.999
+# the cycles of each (rows, gamma) the line keeps, of which it takes the median (`Line`)
+LINE_WINDOW = 16
 # every DITHER-th fitted cycle drafts one more, every DITHER-th (half a turn later) one fewer: the line
 # keeps points on both sides of its choice, where the rate curve is flat (at 8 rows on the shipped model,
 # gammas 4-6 within 1%), so they cost little, and a slow change of the costs moves the choice
 DITHER = 16
 DEPTH_HALF_LIFE = 256.0  # judged drafts: a row class's acceptance by depth follows the session slowly
+AFTER_REJECT, AFTER_ALL = 0, 1  # how a row's previous cycle ended (`Depths`)
 
 
 @dataclass(frozen=True)
@@ -215,25 +218,32 @@ def row_class(rows: int) -> int:
 
 class Line:
     """Least squares through a row class's speculative cycles: seconds = a + b * gamma + c * rows x (gamma +
-    1), over sums that fade by LINE_KEEP per cycle. Drafting costs each draft step a kernel call whatever the
-    rows (b), the verify pass and the draft steps' products cost by the tokens they carry (c): at 8 rows
-    on the shipped model, one term in verified slots alone (a row count moves them as a gamma does)
-    predicted gamma 2's cycles 18% dearer than they ran. A cycle's time varies little at a given gamma and
-    row count, while the tokens it emits swing from 1 to gamma + 1 per row; so the line, with the acceptance
-    by depth (`Depths`), tells gammas apart in a few cycles where their seconds per token (`Arms`) take
-    many: at 4-8 rows on the shipped model those estimates still ranked the arms wrongly after three passes
-    over 24 sentences."""
+    1). Drafting costs each draft step a kernel call whatever the rows (b), the verify pass and the draft
+    steps' products cost by the tokens they carry (c): at 8 rows on the shipped model, one term in verified
+    slots alone (a row count moves them as a gamma does) predicted gamma 2's cycles 18% dearer than they
+    ran. A cycle's time varies little at a given gamma and row count, while the tokens it emits swing from
+    1 to gamma + 1 per row; so the line, with the acceptance by depth (`Depths`), tells gammas apart in a
+    few cycles where their seconds per token (`Arms`) take many: at 4-8 rows on the shipped model those
+    estimates still ranked the arms wrongly after three passes over 24 sentences.
+
+    Each (rows, gamma) enters the fit as the median of its last LINE_WINDOW cycles, weighted by how many
+    those are: at 2 threads a few cycles ran 2-5x the usual (the other thread interrupted; 17 ms where 4 is
+    usual), and a shape's first cycles in a process 1.5-2x. Through means, such cycles lifted the fitted
+    cost at gamma 0 of the shipped model's cycles at 4 rows from ~1.1 ms to 1.4-2.9 ms in a third of the
+    runs, and auto decoded plainly where gamma 4 ran 1.15-1.2x of plain. A shape's window keeps its recent
+    cycles only (the costs drift with the machine), and the far gammas explored first keep theirs however
+    long the fitted gamma runs, so the slopes are not lost."""
 
     def __init__(self) -> None:
-        # n, g, s, g*g, g*s, s*s, t, g*t, s*t for gamma g, slots s = rows x (g + 1), seconds t
-        self.sums = [0.0] * 9
+        self.cycles: dict[tuple[int, int], deque[float]] = {}  # (rows, gamma) -> its latest seconds
+        self._medians: dict[tuple[int, int], float] = {}  # (rows, gamma) -> the median of its window
         self._fit: tuple[float, float, float] | None | bool = False  # `fit` since the last add (False: none)
         self.turn = 0  # counts fitted choices (`SamplingPolicy._fitted`: DITHER)
 
     def add(self, rows: int, gamma: int, seconds: float) -> None:
-        g, x = float(gamma), float(rows * (gamma + 1))
-        for i, v in enumerate((1.0, g, x, g * g, g * x, x * x, seconds, g * seconds, x * seconds)):
-            self.sums[i] = LINE_KEEP * self.sums[i] + v
+        window = self.cycles.setdefault((rows, gamma), deque(maxlen=LINE_WINDOW))
+        window.append(seconds)
+        self._medians[rows, gamma] = statistics.median(window)
         self._fit = False
 
     def fit(self) -> tuple[float, float, float] | None:
@@ -245,7 +255,14 @@ class Line:
         for a pass), the slots alone."""
         if self._fit is not False:
             return self._fit
-        n, g, x, gg, gx, xx, t, gt, xt = self.sums
+        # n, g, s, g*g, g*s, s*s, t, g*t, s*t for gamma g, slots s = rows x (g + 1), seconds t, each shape
+        # counted as many times as its window holds cycles
+        sums = [0.0] * 9
+        for (rows, gamma), window in self.cycles.items():
+            w, g, x, t = float(len(window)), float(gamma), float(rows * (gamma + 1)), self._medians[rows, gamma]
+            for i, v in enumerate((1.0, g, x, g * g, g * x, x * x, t, g * t, x * t)):
+                sums[i] += w * v
+        n, g, x, gg, gx, xx, t, gt, xt = sums
         self._fit = None
         if n < LINE_CYCLES:
             return None
@@ -267,40 +284,57 @@ class Line:
 
 
 class Depths:
-    """Drafts judged and accepted at each draft depth k (index k - 1), over sums that fade by half every
-    DEPTH_HALF_LIFE judged drafts: the chance that a row's k-th draft is accepted once the k - 1 before it
-    were. Acceptance runs in stretches, so it differs from depth to depth and a gamma's tokens (`expected`)
-    are not alpha's (Leviathan et al.'s formula). Kept across calls with a row class's timings: a call
+    """Drafts judged and accepted at each draft depth k (index k - 1) of cycles whose row starts after a
+    cycle that accepted all its drafts (`AFTER_ALL`) or after one that rejected a draft (`AFTER_REJECT`),
+    over sums that fade by half every DEPTH_HALF_LIFE judged drafts: the chance that a row's k-th draft
+    is accepted once the k - 1 before it were. Acceptance runs in stretches, so it differs from depth to
+    depth and a gamma's tokens (`expected`) are not alpha's (Leviathan et al.'s formula). And it differs by
+    how the row's last cycle ended: on the shipped model at 4 rows (greedy, 2 threads) the first draft after
+    a rejection was accepted 77-79% of the time, after an all-accepted cycle 94%. A longer gamma ends
+    more cycles in a rejection, so depths pooled over one gamma's cycles undercount a shorter gamma's
+    tokens (auto's own cycles at gamma 6-7 made gamma 4 look 16% poorer than its own cycles showed, and
+    auto drafted 7 where 4 ran 1.18x of plain). Kept across calls with a row class's timings: a call
     starts with what earlier calls judged, not with the prior (at the prior, plain decoding looked faster
     at 4-8 rows, and its runs judge nothing)."""
 
     def __init__(self, depths: int = MAX_GAMMA) -> None:
-        self.reached = [0.0] * depths
-        self.passed = [0.0] * depths
+        # [AFTER_REJECT, AFTER_ALL][k]
+        self.reached = [[0.0] * depths, [0.0] * depths]
+        self.passed = [[0.0] * depths, [0.0] * depths]
 
-    def observe(self, accepted: Sequence[int], proposed: Sequence[int]) -> None:
-        """A cycle's accepted and proposed drafts per row: a row judged its drafts up to its first
-        rejection."""
-        judged = sum(a + (a < n) for a, n in zip(accepted, proposed))
+    def observe(self, accepted: Sequence[int], proposed: Sequence[int], after_all: Sequence[bool | None]) -> None:
+        """A cycle's accepted and proposed drafts per row, and whether each row's previous cycle accepted
+        all its drafts (None: not known, e.g. the call's first cycle or after plain steps; not counted).
+        A row judged its drafts up to its first rejection."""
+        judged = sum(a + (a < n) for a, n, s in zip(accepted, proposed, after_all) if s is not None)
         keep = 0.5 ** (judged / DEPTH_HALF_LIFE)
-        self.reached = [keep * v for v in self.reached]
-        self.passed = [keep * v for v in self.passed]
-        depths = len(self.reached)
-        for a, n in zip(accepted, proposed):
+        for sums in (*self.reached, *self.passed):
+            sums[:] = [keep * v for v in sums]
+        depths = len(self.reached[0])
+        for a, n, s in zip(accepted, proposed, after_all):
+            if s is None:
+                continue
             for k in range(min(a + (a < n), depths)):
-                self.reached[k] += 1.0
+                self.reached[int(s)][k] += 1.0
             for k in range(min(a, depths)):
-                self.passed[k] += 1.0
+                self.passed[int(s)][k] += 1.0
 
     def expected(self, most: int) -> list[float]:
-        """[g - 1]: tokens a row emits per cycle of g drafts, g = 1..most (at most the depths kept): 1 plus,
-        for each depth k <= g, the chance that its first k drafts were all accepted (each depth with
-        PRIOR_WEIGHT drafts at PRIOR_ALPHA)."""
-        out, tokens, run = [], 1.0, 1.0
-        for k in range(min(most, len(self.reached))):
-            run *= (self.passed[k] + PRIOR_WEIGHT * PRIOR_ALPHA) / (self.reached[k] + PRIOR_WEIGHT)
-            tokens += run
-            out.append(tokens)
+        """[g - 1]: tokens a row emits per cycle of g drafts, g = 1..most (at most the depths kept), where
+        every cycle drafts g: from each start, 1 plus, for each depth k <= g, the chance that its first k
+        drafts were all accepted (each depth with PRIOR_WEIGHT drafts at PRIOR_ALPHA), mixed by the share of
+        cycles that start after an all-accepted one when every cycle drafts g (the stationary share of the
+        two-state chain: a cycle from start s accepts all with chance all_s(g))."""
+        out = []
+        runs = [1.0, 1.0]
+        tokens = [1.0, 1.0]
+        for k in range(min(most, len(self.reached[0]))):
+            for s in (AFTER_REJECT, AFTER_ALL):
+                runs[s] *= (self.passed[s][k] + PRIOR_WEIGHT * PRIOR_ALPHA) / (self.reached[s][k] + PRIOR_WEIGHT)
+                tokens[s] += runs[s]
+            leave_all = 1.0 - runs[AFTER_ALL] + runs[AFTER_REJECT]
+            share = runs[AFTER_REJECT] / leave_all if leave_all > 0 else 1.0
+            out.append(share * tokens[AFTER_ALL] + (1.0 - share) * tokens[AFTER_REJECT])
         return out
 
 
@@ -440,7 +474,8 @@ class SamplingPolicy:
     prior shows it only by drafting. The caller's `confidence` replaces the drafting arms. With more rows
     than a class already timed, arms that draft more than the fastest drafting arm there are only
     revisited (`_worth_exploring`). With several rows on the CPU, once the class's line is known, the
-    gamma it predicts fastest (FITTED) and plain steps are the only arms (`_fitted`, `_fitted_or_plain`).
+    gamma it predicts fastest (FITTED) and plain steps are the only arms (`_fitted`), their timed runs
+    deciding between them (`_fitted_or_plain`).
     Stops read only the draft's own distribution, so no arm changes what is sampled; but the arm a cycle
     takes follows the clock, so seeded sampling under auto is not reproduced token for token."""
 
@@ -458,6 +493,7 @@ class SamplingPolicy:
         self.arms = drafting + (PLAIN,)
         self.used_confidence: float | None = None  # the draft stops some cycle used
         self._accepted = self._judged = 0.0  # fading sums over judged drafts
+        self._ends: list[bool] | None = None  # per row: its last cycle accepted all its drafts
         # cycles time the row class's line where the arms include the chain arms of several rows (`arms_at`;
         # the line and the depths are read only there, so one row keeps neither)
         self._fits = self.arms[:2] == (STOPS, FIXED)
@@ -483,7 +519,7 @@ class SamplingPolicy:
         if gamma:
             arms = self.arms_at(rows, gamma)
             if SHORT in arms:
-                fitted, predicted = self._fitted(table, rows)
+                fitted = self._fitted(table, rows)
                 if fitted:  # the line replaces the model's gamma, its fractions and draft stops
                     arms = (FITTED, PLAIN)
         elif self.pays and self.stops is not None and (self.alpha >= PRIOR_ALPHA or self._judged < 1.0):
@@ -495,7 +531,7 @@ class SamplingPolicy:
         else:
             arms = (PLAIN,)
         if fitted:
-            arm = self._fitted_or_plain(table, rows, predicted)
+            arm = self._fitted_or_plain(table, rows)
         else:
             arm = table.pick(arms, self._worth_exploring(cls, arms)) if len(arms) > 1 else PLAIN
         self.plain_steps = None
@@ -510,12 +546,14 @@ class SamplingPolicy:
         self.used_confidence = self.stops
         return self.sure_gamma, self.stops
 
-    def _fitted_or_plain(self, table: Arms, rows: int, predicted: float) -> str:
-        """FITTED (at `predicted` seconds per token) or PLAIN for `rows` rows: each is explored
-        EXPLORE_CYCLES times (the fitted gamma's cycles add to the line, which may rest on few cycles yet),
-        then each runs when due for a revisit (`Arms.due`), else the faster: plain
-        decoding by its timed runs, the fitted gamma by its line and the acceptance by depth (steady where
-        its timed runs are not)."""
+    def _fitted_or_plain(self, table: Arms, rows: int) -> str:
+        """FITTED or PLAIN for `rows` rows: each is explored EXPLORE_CYCLES times (the fitted gamma's cycles
+        add to the line, which may rest on few cycles yet), then each runs when due for a revisit
+        (`Arms.due`), else the faster by their timed runs. The line picks the gamma, where the gammas
+        around the best lie within a few percent of each other, so its errors cost little; against plain
+        steps its prediction erred by more: on the shipped model at 4 rows, 2 threads, it put the fitted
+        gamma 5-15% above its timed runs (the line's cost at gamma 0, the depths' tokens), and auto
+        decoded plainly for up to 30-70 runs of a pass where the fitted gamma ran 1.1-1.2x of plain."""
         least = min((FITTED, PLAIN), key=lambda arm: table.runs.get(arm, 0))
         if table.runs.get(least, 0) < table.explore:
             return least
@@ -523,18 +561,18 @@ class SamplingPolicy:
         # of the class, so its seconds per token grow as rows end (at 8 rows on the shipped model plain
         # runs timed at 8 rows made them look faster than gamma 4 at 5-6 rows, where they were 1.3x slower)
         plain = table.rate(PLAIN)[0] * table.rows(PLAIN) / rows
-        best = FITTED if predicted < plain else PLAIN
+        fitted = table.rate(FITTED)[0] * table.rows(FITTED) / rows  # the same way
+        best = FITTED if fitted < plain else PLAIN
         ran = [arm for arm in (FITTED, PLAIN) if arm in table.sums]
         return table.due((FITTED, PLAIN), ran, best) or best
 
-    def _fitted(self, table: Arms, rows: int) -> tuple[int, float]:
-        """(the gamma with the most expected tokens per second for `rows` rows by the row class's line and
-        acceptance by depth, its predicted seconds per token); (0, 0.0) while the line is not known. Every
-        DITHER-th choice drafts one more, every other DITHER-th one fewer (at the best one's seconds per
-        token: a dither is no reason to decode plainly)."""
+    def _fitted(self, table: Arms, rows: int) -> int:
+        """The gamma with the most expected tokens per second for `rows` rows by the row class's line and
+        the acceptance by depth; 0 while the line is not known. Every DITHER-th choice drafts one more, every
+        other DITHER-th one fewer."""
         fit = table.line.fit()
         if fit is None:
-            return 0, 0.0
+            return 0
         a, b, c = fit
         best, best_cost = 0, math.inf
         tokens = table.depths.expected(self.max_gamma)
@@ -547,7 +585,7 @@ class SamplingPolicy:
             best = min(best + 1, len(tokens))
         elif table.line.turn == DITHER // 2:
             best = max(best - 1, 1)
-        return best, best_cost
+        return best
 
     def arms_at(self, rows: int, gamma: int) -> tuple[str, ...]:
         """The arms for a cycle of `rows` running rows whose cost model gives `gamma`: with several rows on
@@ -590,13 +628,17 @@ class SamplingPolicy:
         self._fade(sum(a + 1 for a in accepted) / len(accepted))
         self._accepted += sum(accepted)
         self._judged += sum(a + (a < n) for a, n in zip(accepted, proposed))
+        ends = self._ends if self._ends is not None and len(self._ends) == len(accepted) else [None] * len(accepted)
         if self._run is not None and self._times_line(self._run):
             # (not draft stops: a row that stops after an unsure draft leaves the confident ones judged)
-            self._run.table.depths.observe(accepted, proposed)
+            self._run.table.depths.observe(accepted, proposed, ends)
+        # how each row's cycle ended; rows keep their order while none ends (the count tells)
+        self._ends = [a == n for a, n in zip(accepted, proposed)]
 
     def plain(self, steps: int) -> None:
         """`steps` plain steps ran: nothing judged, the estimate drifts back toward the prior."""
         self._fade(steps)
+        self._ends = None
 
     def kept(self, tokens: int) -> None:
         """The tokens the last cycle or run of plain steps kept, EOS and max_length applied: what its time
