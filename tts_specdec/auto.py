@@ -237,14 +237,27 @@ class Line:
     def __init__(self) -> None:
         self.cycles: dict[tuple[int, int], deque[float]] = {}  # (rows, gamma) -> its latest seconds
         self._medians: dict[tuple[int, int], float] = {}  # (rows, gamma) -> the median of its window
+        # n, g, s, g*g, g*s, s*s, t, g*t, s*t for gamma g, slots s = rows x (g + 1), seconds t (a shape's
+        # median), each shape counted as many times as its window holds cycles; kept as shapes change, not
+        # summed over every shape at each fit (~20 us a cycle with 20 shapes, as much as the rest of auto)
+        self._sums = [0.0] * 9
         self._fit: tuple[float, float, float] | None | bool = False  # `fit` since the last add (False: none)
         self.turn = 0  # counts fitted choices (`SamplingPolicy._fitted`: DITHER)
 
     def add(self, rows: int, gamma: int, seconds: float) -> None:
         window = self.cycles.setdefault((rows, gamma), deque(maxlen=LINE_WINDOW))
+        if window:
+            self._count(rows, gamma, -len(window))
         window.append(seconds)
         self._medians[rows, gamma] = statistics.median(window)
+        self._count(rows, gamma, len(window))
         self._fit = False
+
+    def _count(self, rows: int, gamma: int, weight: int) -> None:
+        """Adds the shape's median `weight` times to the sums (a negative weight takes it out)."""
+        g, x, t = float(gamma), float(rows * (gamma + 1)), self._medians[rows, gamma]
+        for i, v in enumerate((1.0, g, x, g * g, g * x, x * x, t, g * t, x * t)):
+            self._sums[i] += weight * v
 
     def fit(self) -> tuple[float, float, float] | None:
         """(a, b, c); None while the line rests on fewer than LINE_CYCLES cycles or on less spread of slots
@@ -255,14 +268,7 @@ class Line:
         for a pass), the slots alone."""
         if self._fit is not False:
             return self._fit
-        # n, g, s, g*g, g*s, s*s, t, g*t, s*t for gamma g, slots s = rows x (g + 1), seconds t, each shape
-        # counted as many times as its window holds cycles
-        sums = [0.0] * 9
-        for (rows, gamma), window in self.cycles.items():
-            w, g, x, t = float(len(window)), float(gamma), float(rows * (gamma + 1)), self._medians[rows, gamma]
-            for i, v in enumerate((1.0, g, x, g * g, g * x, x * x, t, g * t, x * t)):
-                sums[i] += w * v
-        n, g, x, gg, gx, xx, t, gt, xt = sums
+        n, g, x, gg, gx, xx, t, gt, xt = self._sums
         self._fit = None
         if n < LINE_CYCLES:
             return None
@@ -314,10 +320,11 @@ class Depths:
         for a, n, s in zip(accepted, proposed, after_all):
             if s is None:
                 continue
+            start = AFTER_ALL if s else AFTER_REJECT
             for k in range(min(a + (a < n), depths)):
-                self.reached[int(s)][k] += 1.0
+                self.reached[start][k] += 1.0
             for k in range(min(a, depths)):
-                self.passed[int(s)][k] += 1.0
+                self.passed[start][k] += 1.0
 
     def expected(self, most: int) -> list[float]:
         """[g - 1]: tokens a row emits per cycle of g drafts, g = 1..most (at most the depths kept), where
