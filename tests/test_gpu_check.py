@@ -36,7 +36,7 @@ def test_table_pairs_each_row_with_its_compiled_twin(gpu_check, capsys):
 
 
 def test_recorded_runs_get_their_own_columns(gpu_check, capsys):
-    """The optional recorded stage (TTS_SPECDEC_RECORD_RUNS=1) is tabled beside the compiled one."""
+    """The recorded stage (TTS_SPECDEC_RECORD_RUNS=1) is tabled beside the compiled one."""
     lines = gpu_check.table({"shipped": {"compiled": report(4.0), "recorded": report(5.0)}})
     assert [ln["recorded_tokens_per_s"] / ln["compiled_tokens_per_s"] for ln in lines[1:]] == [1.25, 1.25]
     assert "recorded_tokens_per_s" not in lines[0]  # spear-tts's own rows are never compiled
@@ -76,13 +76,14 @@ def test_stages_run_in_order_within_the_budget(gpu_check, monkeypatch, tmp_path)
     monkeypatch.setattr(gpu_check.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(gpu_check, "run", fake_run)
     out = tmp_path / "gpu.json"
-    assert gpu_check.main(["--budget", "250", "--out", str(out)]) == 1
+    assert gpu_check.main(["--budget", "350", "--out", str(out)]) == 1
     result = json.loads(out.read_text())
-    assert [c[1] for c in calls] == [250, 150, 50]  # each stage stopped at what is left of the budget
-    assert "-m" in calls[2][0] and "cuda" in calls[2][0]  # the third stage: the CUDA tests
+    assert [c[1] for c in calls] == [350, 250, 150, 50]  # each stage stopped at what is left of the budget
+    assert "TTS_SPECDEC_RECORD_RUNS=1" in calls[1][0] and "--compile" in calls[1][0]  # recorded runs second
+    assert "-m" in calls[3][0] and "cuda" in calls[3][0]  # the fourth stage: the CUDA tests
     assert result["skipped"] == ["width1024/compiled", "width1024/eager"]  # exactness: 0 sentences, not a stage
     assert result["errors"] == {"shipped/eager": "exit status 1"} and result["pytest_cuda_rc"] == 0
-    assert list(result["runs"]) == ["shipped"] and list(result["runs"]["shipped"]) == ["compiled"]
+    assert list(result["runs"]) == ["shipped"] and list(result["runs"]["shipped"]) == ["compiled", "recorded"]
     assert [line["compiled_tokens_per_s"] for line in result["table"][1:]] == [800.0, 2000.0]
     assert not list(tmp_path.glob("gpu.*.json"))  # each run's own JSON was folded in
 

@@ -3,15 +3,18 @@
 Stages, in priority order, each started only while the run is younger than --budget seconds (a GPU
 session here has minutes of device time; what did not fit is listed under "skipped"):
 
-1. shipped/compiled, shipped/eager: recipes/benchmark.py on the shipped model with and without
-   `--compile`, batch 1 (the compiled path's targets are measured here);
+1. shipped/compiled, shipped/recorded, shipped/eager: recipes/benchmark.py on the shipped model with
+   `--compile` (one CUDA graph per step, the default), with `--compile` and recorded runs
+   (TTS_SPECDEC_RECORD_RUNS=1: a plain run and a speculative sampling cycle as one CUDA graph each; the
+   opt-in that may become the default on CUDA once it beats the default here), and without compile;
+   batch 1 (the compiled path's targets are measured here);
 2. tests: the CUDA tests (`pytest -m cuda`: compile=True against the default path on the GPU), spread
-   over --test-workers processes (pytest-xdist) because each compiles its graphs;
+   over --test-workers processes (pytest-xdist, one per test by default) because each compiles its graphs
+   (on an H200, 2026-11-29: the longest took 123 s with a warm compile cache, over 355 s cold);
 3. exactness: recipes/device_check.py --compile on --exactness held-out sentences (0: skipped);
 4. width1024/compiled, width1024/eager: the shipped model widened function-preservingly to width 1024,
    16 heads (`--widen 1024 16`: memory-bound steps);
-5. only when named: shipped/recorded, width1024/recorded: the compiled benchmark with recorded runs
-   (TTS_SPECDEC_RECORD_RUNS=1: a plain run and a speculative sampling cycle as one CUDA graph each).
+5. only when named: width1024/recorded.
 
 One JSON, benchmarks/gpu_<device>.json, is rewritten after every stage: each benchmark run, the tests'
 exit status, and the table this prints (each row's tokens/s eager and compiled, compiled / eager, each
@@ -20,7 +23,7 @@ speculative row's speedup over its plain baseline on both paths, the first call'
     python tools/gpu_check.py                                  # what `make gpu-check` runs
     python tools/gpu_check.py --stages shipped/compiled --reps 5 --out /tmp/gpu.json
     python tools/gpu_check.py --budget 900 --exactness 8 --bench --families sample
-    python tools/gpu_check.py --stages shipped/compiled shipped/recorded tests   # recorded runs beside
+    python tools/gpu_check.py --stages shipped/compiled shipped/recorded       # the two compiled ways alone
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # decoding (one draft-width setting and no draft-stop rows: each row compiles its own graphs)
 DEFAULT_BENCH = ["--families", "sample", "greedy", "beam", "--draft-confidence", "0", "--beam-gamma", "1",
                  "--draft-width", "8", "--skip-upstream-beam"]
-STAGES = ["shipped/compiled", "shipped/eager", "tests", "exactness", "width1024/compiled", "width1024/eager"]
-# on request only: the compiled benchmark with recorded runs (TTS_SPECDEC_RECORD_RUNS=1, off by default: a plain
-# run and a speculative sampling cycle as one CUDA graph each; docs/gpu.md)
-OPTIONAL = ["shipped/recorded", "width1024/recorded"]
+STAGES = ["shipped/compiled", "shipped/recorded", "shipped/eager", "tests", "exactness", "width1024/compiled",
+          "width1024/eager"]
+# on request only: the width-1024 model with recorded runs
+OPTIONAL = ["width1024/recorded"]
 SETUPS = {
     "shipped": ["--model", "default", "--skip-auto"],
     "width1024": ["--model", "default", "--widen", "1024", "16", "--skip-upstream", "--skip-auto"],
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds: a stage starts only while the run is younger, and is stopped when it runs past "
                         "(0: no limit)")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--test-workers", type=int, default=4, help="pytest-xdist processes for the CUDA tests")
+    p.add_argument("--test-workers", type=int, default=9, help="pytest-xdist processes for the CUDA tests (9: one each)")
     p.add_argument("--exactness", type=int, default=0, metavar="N",
                    help="held-out sentences for recipes/device_check.py --compile (0: skip that stage)")
     p.add_argument("--out", type=Path, help="default: benchmarks/gpu_<device>.json")
