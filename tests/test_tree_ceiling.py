@@ -1,0 +1,48 @@
+"""tools/tree_ceiling.py's count of tokens per cycle for chains and token trees on hand-built ranks, and
+its count of a tree's nodes (the ranks a model gives are not tested)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("tree_ceiling", Path(__file__).resolve().parents[1] / "tools/tree_ceiling.py")
+tree_ceiling = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tree_ceiling)
+per_cycle, cycle, nodes = tree_ceiling.tokens_per_cycle, tree_ceiling.cycle_tokens, tree_ceiling.sub_chain_nodes
+
+
+def test_a_draft_always_right_yields_gamma_plus_one_at_every_shape():
+    ranks = [[1] * 100]
+    assert per_cycle(ranks, 4, 1, 0, True) == 5.0
+    assert per_cycle(ranks, 4, 2, 4, True) == 5.0
+    assert per_cycle(ranks, 4, 2, 1, False) == 5.0
+
+
+def test_a_second_choice_is_rejected_by_the_chain_and_accepted_by_a_sibling():
+    ranks = [[1, 2] * 50]
+    # chain, gamma 2: every cycle accepts the first draft and corrects the second
+    assert per_cycle(ranks, 2, 1, 0, True) == 2.0
+    # sub-chains: the second draft is taken as a sibling and its chain goes on: 3 tokens a cycle, 33 such
+    # cycles and one of the last token
+    assert per_cycle(ranks, 2, 2, 1, False) == pytest.approx(100 / 34)
+    # a third choice is not a sibling where k = 2
+    assert per_cycle([[1, 3] * 50], 2, 2, 1, False) == 2.0
+    assert per_cycle([[1, 3] * 50], 2, 3, 1, False) == pytest.approx(100 / 34)
+
+
+def test_a_sibling_leaf_ends_the_cycle_with_its_bonus_token():
+    row = [1, 2, 1, 1, 1, 1]
+    assert cycle(row, 0, 4, 1, 0, True) == 2  # the chain: the first draft and the correction
+    assert cycle(row, 0, 4, 2, 4, True) == 3  # the first draft, the sibling, the bonus
+    assert cycle(row, 0, 4, 2, 1, False) == 5  # the first draft, the sibling's chain to depth 4, the bonus
+    assert cycle([1, 2, 1, 2, 1], 0, 4, 2, 1, False) == 4  # one branching: the second rank-2 draft ends it
+    assert cycle([1, 2, 1, 2, 1], 0, 4, 2, 2, False) == 5
+    assert cycle(row, 4, 4, 1, 0, True) == 2  # the row ends: nothing past it
+
+
+def test_tree_nodes():
+    assert nodes(4, 2, 0) == 4  # a chain
+    assert nodes(2, 2, 1) == 5  # chain a-b, sibling of a with its child, sibling of b
+    assert nodes(4, 2, 1) == 14
+    assert nodes(2, 3, 1) == 2 + 2 * 2 + 2 * 1
