@@ -239,7 +239,7 @@ def test_auto_greedy_times_draft_stops_where_no_gamma_pays_at_the_prior(sources,
 
 
 def test_policy_follows_acceptance_and_tries_again_after_plain_runs():
-    policy = SamplingPolicy(STEEP, favouring(STOPS), clock=still)
+    policy = SamplingPolicy(STEEP, favouring(STOPS), clock=still, hold_seconds=0)  # every cycle decides
     gamma, confidence = policy.next(1)
     assert confidence == DRAFT_CONFIDENCE  # the prior speculates, with stops (STEEP) as far as alpha 1 pays
     assert gamma == choose_gamma(STEEP.c, STEEP.v, 1.0, MAX_GAMMA) > choose_gamma(STEEP.c, STEEP.v, 0.8, MAX_GAMMA)
@@ -254,8 +254,79 @@ def test_policy_follows_acceptance_and_tries_again_after_plain_runs():
     assert policy.alpha > 0.95 and policy.next(1)[0] >= gamma
 
 
+def test_a_decision_holds_for_its_cycles_and_is_booked_as_one_run():
+    now = [0.0]
+    tables = favouring(STOPS)
+    policy = SamplingPolicy(STEEP, tables, clock=lambda: now[0])
+    table, before = tables[1], tables[1].runs[STOPS]
+    cycle_seconds = auto.HOLD_SECONDS / 5
+    answer = policy.next(1)
+    assert answer[1] == DRAFT_CONFIDENCE
+    for cycle in range(5):  # the cycles that start within HOLD_SECONDS keep the answer
+        if cycle:
+            assert policy.next(1) == answer and table.runs[STOPS] == before  # nothing decided or booked
+        policy.observe([3], [answer[0]])
+        policy.kept(4)
+        now[0] += cycle_seconds
+    seconds, emitted = table.sums[STOPS][1], table.sums[STOPS][2]
+    policy.next(1)  # decides again: the five cycles are one run of HOLD_SECONDS and 20 tokens
+    assert table.runs[STOPS] == before + 1
+    assert table.sums[STOPS][1] == pytest.approx(auto.TIME_KEEP * seconds + auto.HOLD_SECONDS)
+    assert table.sums[STOPS][2] == pytest.approx(auto.TIME_KEEP * emitted + 20)
+    policy.observe([3], [answer[0]])
+    policy.kept(4)
+    now[0] += cycle_seconds
+    policy.next(2)  # other rows: decided again
+    assert table.runs[STOPS] == before + 2
+
+
+def test_a_cycle_that_accepts_nothing_ends_the_hold():
+    now = [0.0]
+    tables = favouring(STOPS)
+    policy = SamplingPolicy(STEEP, tables, clock=lambda: now[0])
+    runs = tables[1].runs[STOPS]
+    gamma = policy.next(2)[0]
+    policy.observe([1, 0], [gamma, gamma])  # a row accepted a draft: held
+    policy.kept(3)
+    now[0] += 0.001
+    policy.next(2)
+    assert tables[2].runs[STOPS] == runs
+    policy.observe([0, 0], [gamma, gamma])
+    policy.kept(2)
+    now[0] += 0.001
+    policy.next(2)
+    assert tables[2].runs[STOPS] == runs + 1  # decided again, the held cycles booked
+
+
+def test_exploring_runs_are_not_held_and_held_runs_time_each_cycle_on_the_line():
+    now = [0.0]
+    policy = SamplingPolicy(FLAT, {}, clock=lambda: now[0])
+    for _ in range(8):  # nothing explored yet: every cycle decides (a run of plain steps included)
+        gamma = policy.next(1)[0]
+        if gamma:
+            policy.observe([1], [gamma])
+        else:
+            policy.plain(8)
+        policy.kept(2)
+        now[0] += 0.001
+    assert sum(policy.tables[1].runs.values()) == 7
+    tables = favouring(FIXED)
+    policy = SamplingPolicy(FLAT, tables, clock=lambda: now[0])
+    gamma = policy.next(2)[0]
+    assert gamma == choose_gamma(FLAT.c, FLAT.v, policy.alpha, MAX_GAMMA)  # the fixed arm, explored
+    for cycle in range(4):
+        if cycle:
+            assert policy.next(2) == (gamma, None)  # held
+        policy.observe([1, 1], [gamma, gamma])
+        policy.kept(4)
+        now[0] += 0.001
+    assert tables[2].runs[FIXED] == EXPLORE_CYCLES  # held: nothing booked yet
+    policy.finish()
+    assert list(tables[2].line.cycles[2, gamma]) == pytest.approx([0.001] * 4)  # one entry a cycle
+
+
 def test_policy_without_stops_drafts_what_the_acceptance_pays_for():
-    policy = SamplingPolicy(CHEAP, favouring(FIXED, (FIXED, PLAIN)), clock=still)
+    policy = SamplingPolicy(CHEAP, favouring(FIXED, (FIXED, PLAIN)), clock=still, hold_seconds=0)
     assert policy.arms == (FIXED, PLAIN)  # stops are no arm where verifying is free (a GPU)
     gamma, confidence = policy.next(2)
     assert gamma == choose_gamma(CHEAP.c, CHEAP.v, auto.PRIOR_ALPHA, MAX_GAMMA) and 0 < gamma < MAX_GAMMA

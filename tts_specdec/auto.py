@@ -117,10 +117,17 @@ LINE_SPREAD = 2.0
 LINE_APART = 0.05
 # the cycles of each (rows, gamma) the line keeps, of which it takes the median (`Line`)
 LINE_WINDOW = 16
-# every DITHER-th fitted cycle drafts one more, every DITHER-th (half a turn later) one fewer: the line
+# every DITHER-th fitted choice drafts one more, every DITHER-th (half a turn later) one fewer: the line
 # keeps points on both sides of its choice, where the rate curve is flat (at 8 rows on the shipped model,
 # gammas 4-6 within 1%), so they cost little, and a slow change of the costs moves the choice
 DITHER = 16
+# a decision holds for the cycles that start within HOLD_SECONDS of it while the rows stay: deciding (the
+# cost model's gamma, the arms' estimates and draws, booking the last run) took 55-80 us, 3-5% of a
+# shipped-model cycle at 1-2 rows (1.5-2 ms), and auto ran 0.96x of its own fastest arm at batch 1; a
+# choice barely moves from one cycle to the next (a cycle that accepts no draft ends the hold: `observe`).
+# Where cycles take 15-20 ms (width 512) every first or second one decides; runs exploring an arm
+# (EXPLORE_CYCLES) stay one cycle each
+HOLD_SECONDS = 0.02
 DEPTH_HALF_LIFE = 256.0  # judged drafts: a row class's acceptance by depth follows the session slowly
 AFTER_REJECT, AFTER_ALL = 0, 1  # how a row's previous cycle ended (`Depths`)
 
@@ -464,11 +471,15 @@ class Arms:
 
 
 class _Run:
-    """The timing of the run under way: its arm and table, when it started, what it emitted."""
+    """The timing of the run under way: its arm and table, when it started, what it emitted; a held
+    decision's answer, until when it holds and when each of its later cycles started (`HOLD_SECONDS`)."""
 
     def __init__(self, table: Arms, arm: str, start: float, rows: int = 0, gamma: int = 0) -> None:
         self.table, self.arm, self.start, self.tokens = table, arm, start, 0.0
         self.rows, self.gamma = rows, gamma
+        self.answer: tuple[int, float | None] | None = None
+        self.until = start
+        self.starts: list[float] = []
 
 
 class SamplingPolicy:
@@ -492,8 +503,11 @@ class SamplingPolicy:
     takes follows the clock, so seeded sampling under auto is not reproduced token for token."""
 
     def __init__(self, costs: CostModel, tables: dict[int, Arms], confidence: float | None = None,
-                 max_gamma: int = MAX_GAMMA, clock: Callable[[], float] | None = None) -> None:
+                 max_gamma: int = MAX_GAMMA, clock: Callable[[], float] | None = None,
+                 hold_seconds: float = HOLD_SECONDS) -> None:
+        """`hold_seconds`: how long a decision holds (`HOLD_SECONDS`; 0: every cycle decides)."""
         self.costs = costs
+        self.hold_seconds = hold_seconds
         self.tables = tables
         self.max_gamma = max_gamma
         # the gamma a draft that is always right would pay for: the most drafts with stops; 0: speculation
@@ -521,6 +535,10 @@ class SamplingPolicy:
     def next(self, rows: int) -> tuple[int, float | None]:
         """(gamma, draft_confidence) for the next cycle of `rows` running rows; gamma 0: plain steps."""
         now = self._clock()
+        run = self._run
+        if run is not None and run.answer is not None and rows == run.rows and now < run.until:
+            run.starts.append(now)
+            return run.answer
         self._book(now)
         cls = row_class(rows)
         table = self.tables.get(cls)
@@ -548,15 +566,17 @@ class SamplingPolicy:
             arm = table.pick(arms, self._worth_exploring(cls, arms)) if len(arms) > 1 else PLAIN
         self.plain_steps = None
         chosen = {PLAIN: 0, FIXED: gamma, SHORT: gamma // 2, THIRD: gamma // 3, FITTED: fitted}.get(arm)
-        self._run = _Run(table, arm, now, rows, self.sure_gamma if chosen is None else chosen)
+        run = self._run = _Run(table, arm, now, rows, self.sure_gamma if chosen is None else chosen)
         if arm == PLAIN:
             if len(arms) > 1 and table.best(arms) != PLAIN:
                 self.plain_steps = max(EXPLORE_STEPS, math.ceil(EXPLORE_SECONDS / self.costs.t_step))
             return 0, None
-        if chosen is not None:
-            return chosen, None
-        self.used_confidence = self.stops
-        return self.sure_gamma, self.stops
+        answer = (chosen, None) if chosen is not None else (self.sure_gamma, self.stops)
+        if answer[1] is not None:
+            self.used_confidence = answer[1]
+        if table.runs.get(arm, 0) >= table.explore:  # explored: the choice holds a while
+            run.answer, run.until = answer, now + self.hold_seconds
+        return answer
 
     def _fitted_or_plain(self, table: Arms, rows: int) -> str:
         """FITTED or PLAIN for `rows` rows: each is explored EXPLORE_CYCLES times (the fitted gamma's cycles
@@ -646,6 +666,10 @@ class SamplingPolicy:
             self._run.table.depths.observe(accepted, proposed, ends)
         # how each row's cycle ended; rows keep their order while none ends (the count tells)
         self._ends = [a == n for a, n in zip(accepted, proposed)]
+        if self._run is not None and not any(accepted):
+            # a cycle that accepted no draft moves the acceptance, on which the choice rests, the most (a
+            # draft that stopped fitting: every cycle): the next cycle decides again
+            self._run.answer = None
 
     def plain(self, steps: int) -> None:
         """`steps` plain steps ran: nothing judged, the estimate drifts back toward the prior."""
@@ -653,11 +677,12 @@ class SamplingPolicy:
         self._ends = None
 
     def kept(self, tokens: int) -> None:
-        """The tokens the last cycle or run of plain steps kept, EOS and max_length applied: what its time
+        """The tokens the last cycle or run of plain steps kept, EOS and max_length applied (summed over the
+        cycles of a held decision): what its time
         is booked against (not every row's tokens: a run of 32 plain steps makes many past a row's end,
         and a batch's ending rows made plain runs look faster than they were)."""
         if self._run is not None:
-            self._run.tokens = tokens
+            self._run.tokens += tokens
 
     def finish(self) -> None:
         """The call ended: books its last run. A batch's last row often ends the call in one run (on the
@@ -667,12 +692,15 @@ class SamplingPolicy:
         self._book(self._clock())
 
     def _book(self, now: float) -> None:
-        """Books the last run's time (its `next` to this one) under its arm."""
+        """Books the last run's time (its `next` to this one) under its arm, and each of its cycles' on the
+        line."""
         run, self._run = self._run, None
         if run is not None and run.tokens:
             run.table.add(run.arm, now - run.start, run.tokens, run.rows)
             if self._times_line(run) and run.gamma:
-                run.table.line.add(run.rows, run.gamma, now - run.start)
+                starts = [run.start, *run.starts]
+                for start, end in zip(starts, starts[1:] + [now]):
+                    run.table.line.add(run.rows, run.gamma, end - start)
 
     def _times_line(self, run: _Run) -> bool:
         """Whether `run` feeds its class's line and acceptance by depth: a chain arm's run of several rows,
