@@ -46,3 +46,21 @@ def test_tree_nodes():
     assert nodes(2, 2, 1) == 5  # chain a-b, sibling of a with its child, sibling of b
     assert nodes(4, 2, 1) == 14
     assert nodes(2, 3, 1) == 2 + 2 * 2 + 2 * 1
+
+
+def test_sampling_acceptance_of_a_first_and_a_second_draft():
+    import torch
+
+    first, second = tree_ceiling.acceptance(torch.tensor([[0.3, 0.7], [1.0, 0.0]]), torch.tensor([[0.3, 0.7], [0.5, 0.5]]))
+    # the same distribution: always accepted, no second draft needed; p = (1, 0) against q = (1/2, 1/2):
+    # half the first drafts, and the residual (1, 0) accepts a second draft from q half the time
+    assert first.tolist() == pytest.approx([1.0, 0.5]) and second.tolist() == pytest.approx([0.0, 0.5])
+
+
+def test_expected_tokens_of_a_sampled_chain_and_its_sibling_leaves():
+    expected = tree_ceiling.expected_cycle_tokens
+    assert expected([1.0] * 8, [0.0] * 8, 4, False) == 5.0
+    # one draft accepted half the time, and a sibling half the time the draft is not: 1.5 and 1.75 tokens
+    assert expected([0.5], [0.5], 1, False) == 1.5 and expected([0.5], [0.5], 1, True) == 1.75
+    # two depths: 1 + 0.5 + 0.25, and the siblings 0.5 * 0.5 + 0.5 * 0.5 * 0.5 more
+    assert expected([0.5, 0.5], [0.5, 0.5], 2, True) == pytest.approx(1.75 + 0.25 + 0.125)

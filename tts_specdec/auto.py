@@ -678,9 +678,9 @@ class SamplingPolicy:
 
     def kept(self, tokens: int) -> None:
         """The tokens the last cycle or run of plain steps kept, EOS and max_length applied (summed over the
-        cycles of a held decision): what its time
-        is booked against (not every row's tokens: a run of 32 plain steps makes many past a row's end,
-        and a batch's ending rows made plain runs look faster than they were)."""
+        cycles of a held decision): what its time is booked against (not every row's tokens: a run of 32
+        plain steps makes many past a row's end, and a batch's ending rows made plain runs look faster than
+        they were)."""
         if self._run is not None:
             self._run.tokens += tokens
 
