@@ -64,3 +64,9 @@ def test_expected_tokens_of_a_sampled_chain_and_its_sibling_leaves():
     assert expected([0.5], [0.5], 1, False) == 1.5 and expected([0.5], [0.5], 1, True) == 1.75
     # two depths: 1 + 0.5 + 0.25, and the siblings 0.5 * 0.5 + 0.5 * 0.5 * 0.5 more
     assert expected([0.5, 0.5], [0.5, 0.5], 2, True) == pytest.approx(1.75 + 0.25 + 0.125)
+
+
+def test_a_second_drafts_chance_weighs_each_position_by_its_first_drafts_rejections():
+    # a position never rejected counts nowhere; 0.5 rejected half the time, 0.0 always: (0.25 + 1) / 1.5
+    assert tree_ceiling.second_accepted([(1.0, 0.0), (0.5, 0.5), (0.0, 1.0)]) == pytest.approx(1.25 / 1.5)
+    assert tree_ceiling.second_accepted([(1.0, 0.0)]) == 0.0

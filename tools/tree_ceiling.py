@@ -99,6 +99,13 @@ def sampled_acceptance(sentences: int) -> list[tuple[list[float], list[float]]]:
     return out
 
 
+def second_accepted(pairs: list[tuple[float, float]]) -> float:
+    """The chance a second draft is accepted once the first was not, over positions' (first, second)
+    chances (`acceptance`): each position weighted by how often its first draft is rejected."""
+    rejected = sum(1 - first for first, _ in pairs)
+    return sum((1 - first) * second for first, second in pairs) / rejected if rejected > 0 else 0.0
+
+
 def expected_cycle_tokens(first: list[float], second: list[float], gamma: int, leaves: bool) -> float:
     """A cycle's expected tokens, averaged over every start that leaves gamma positions: a chain of gamma
     drafts accepted with chances `first`, and with `leaves` a second draft beside each, accepted with
@@ -161,6 +168,13 @@ def sub_chain_nodes(gamma: int, k: int, levels: int) -> int:
     return nodes
 
 
+def write_json(path: Path, table: dict) -> None:
+    from tts_specdec.speech.atomic import atomic_file
+
+    with atomic_file(path, "w", encoding="utf-8") as file:
+        file.write(json.dumps(table, indent=1) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sentences", type=int, default=48, help="held-out sentences (default 48)")
@@ -196,16 +210,17 @@ def main() -> None:
                 print(f"{shape:26s} {gamma:5d} {k:2d}  {nodes:5d}  {got:12.3f}  {same_nodes:12.3f}")
                 rows.append(dict(shape=shape, gamma=gamma, k=k, nodes=nodes, tokens=got, chain_same_nodes=same_nodes))
     if args.json:
-        args.json.write_text(json.dumps(dict(sentences=len(ranks), positions=len(flat), first_choice=first,
-                                             top_k=top, greedy_path_agreement=same, rows=rows), indent=1) + "\n")
+        write_json(args.json, dict(sentences=len(ranks), positions=len(flat), first_choice=first, top_k=top,
+                                   greedy_path_agreement=same, rows=rows))
 
 
 def sampling(args: argparse.Namespace) -> None:
     paths = [path for path in sampled_acceptance(args.sentences) if len(path[0]) >= 2 * max(args.gammas)]
-    firsts = [b for first, _ in paths for b in first]
-    seconds = [s for first, second in paths for b, s in zip(first, second) if b < 1]
-    print(f"{len(paths)} sampled sentences, {len(firsts)} positions: a draft accepted with chance "
-          f"{sum(firsts) / len(firsts):.3f} on average; a second draft, once the first was not, {sum(seconds) / len(seconds):.3f}")
+    pairs = [(b, s) for first, second in paths for b, s in zip(first, second)]
+    accepted = sum(b for b, _ in pairs) / len(pairs)
+    second = second_accepted(pairs)
+    print(f"{len(paths)} sampled sentences, {len(pairs)} positions: a draft accepted with chance "
+          f"{accepted:.3f} on average; a second draft, once the first was not, {second:.3f}")
     rows = []
     print("gamma  chain  sibling leaves (nodes 2 gamma)  chain of 2 gamma drafts")
     for gamma in args.gammas:
@@ -214,7 +229,8 @@ def sampling(args: argparse.Namespace) -> None:
         print(f"{gamma:5d}  {chain:5.3f}  {leaves:30.3f}  {double:22.3f}")
         rows.append(dict(gamma=gamma, chain=chain, sibling_leaves=leaves, chain_twice_as_long=double))
     if args.json:
-        args.json.write_text(json.dumps(dict(sentences=len(paths), positions=len(firsts), rows=rows), indent=1) + "\n")
+        write_json(args.json, dict(sentences=len(paths), positions=len(pairs), first_accepted=accepted,
+                                   second_accepted=second, rows=rows))
 
 
 if __name__ == "__main__":
