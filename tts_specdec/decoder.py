@@ -23,7 +23,7 @@ from torch import Tensor
 from ._upstream import TextToSemantic, _spear
 from .cache import KVCache
 from .encoder import SourceEncoder
-from . import backends, kernels
+from . import backends, kernels, tiles
 from .backends import Backend
 from .kernels import Packed
 from .masks import additive
@@ -350,7 +350,8 @@ class Decoder:
 
     def target_logits(self, h: Tensor) -> Tensor:
         """Final norm + tied output projection on the last layer's hidden state."""
-        return _normed_mm(h.reshape(-1, h.shape[-1]), self._target_weight()).view(*h.shape[:-1], -1)
+        weight = self._target_weight()
+        return tiles.rows(lambda t: _normed_mm(t, weight), h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
 
     def _target_weight(self) -> Tensor | Packed:
         if self._target_head is None:

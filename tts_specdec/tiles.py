@@ -1,0 +1,88 @@
+"""Fixed tiles for torch's half-precision ops: a token's result must not depend on how many tokens share
+the call (speculation's exactness rests on it, docs/design.md). torch's bfloat16 and float16 products and
+attention pick their blocking by the call's shape, and a half-precision rounding turns the last bit that
+moves into a visible one: a verify pass over gamma + 1 tokens rounded differently from a one-token step.
+Here every product sees its tokens in calls of exactly `ROWS` rows, and attention its queries in calls of
+`ROWS` queries over keys padded (masked) to a multiple of `KEYS`: every call has a shape the call's size
+does not choose, so a token's sums run alike whatever else is decoded with it. Measured on torch's CPU
+ops in bfloat16 (2026-11-30): products kept the invariance at every row count, attention broke it both ways
+(by the number of queries, and by an unpadded key count); both tiles were needed and sufficed.
+Float32 computes untiled: the C++ kernels keep the invariance by construction, torch's float32 ops in
+every check so far."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ROWS = 16  # tokens per product call and queries per attention call: one GPU MMA tile; a CPU step's rows fit
+KEYS = 64  # attention's keys padded to a multiple of this (16 sufficed on the CPU; 64 is a GPU kernel block)
+HALF = (torch.bfloat16, torch.float16)
+
+
+def on(dtype: torch.dtype) -> bool:
+    """Whether ops computing in `dtype` run in tiles."""
+    return dtype in HALF
+
+
+def rows(f: Callable[..., Tensor], *xs: Tensor, dim: int = 0) -> Tensor:
+    """f over the tokens of xs (each (tokens, ...)) in calls of exactly ROWS tokens (the last padded with
+    zeros), the outputs joined along `dim` (where f puts the tokens) and the padding cut off; f(*xs) when
+    xs are not half precision."""
+    if not on(xs[0].dtype):
+        return f(*xs)
+    tokens = xs[0].shape[0]
+    pad = -tokens % ROWS
+    if pad:
+        xs = tuple(torch.cat((x, x.new_zeros(pad, *x.shape[1:]))) for x in xs)
+    out = torch.cat([f(*(x[i : i + ROWS] for x in xs)) for i in range(0, tokens + pad, ROWS)], dim=dim)
+    return out.narrow(dim, 0, tokens)
+
+
+def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+    """`F.scaled_dot_product_attention(q, keys, values, attn_mask)` for q (rows, h, n, d) and an additive
+    mask broadcastable to (rows, h, n, m), in tiles: the keys padded to a multiple of KEYS with zeros that
+    the mask hides, the queries in calls of ROWS (padding queries see every key; their rows are dropped);
+    the op itself when q is not half precision."""
+    if not on(q.dtype):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+    rows_, h, n, _ = q.shape
+    m = keys.shape[-2]
+    mask = q.new_zeros(1, 1, n, m) if attn_mask is None else attn_mask
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(-1, -1, n, m)
+    key_pad, q_pad = -m % KEYS, -n % ROWS
+    if key_pad:
+        keys, values = F.pad(keys, (0, 0, 0, key_pad)), F.pad(values, (0, 0, 0, key_pad))
+        mask = F.pad(mask, (0, key_pad), value=float("-inf"))
+    if q_pad:
+        q = F.pad(q, (0, 0, 0, q_pad))
+        mask = F.pad(mask, (0, 0, 0, q_pad))
+    out = [F.scaled_dot_product_attention(q[:, :, i : i + ROWS], keys, values, attn_mask=mask[:, :, i : i + ROWS])
+           for i in range(0, n + q_pad, ROWS)]
+    return torch.cat(out, dim=2)[:, :, :n] if len(out) > 1 or q_pad else out[0]
+
+
+def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor) -> Tensor:
+    """`attention` where queries see scattered keys (a tree pass: a node sees its prefix and its
+    ancestors, its siblings' slots lie between them): each query's visible keys are gathered first, in
+    slot order, so they sit where a one-token step over the same prefix has them, and the sums meet them in
+    the same lanes. attn_mask: additive or bool, broadcastable to (rows, 1, n, m) (the same for every head)."""
+    if not on(q.dtype):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+    rows_, h, n, d = q.shape
+    m = keys.shape[-2]
+    seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+    seen = seen.reshape((1,) * (4 - seen.dim()) + tuple(seen.shape)).expand(rows_, -1, n, m)[:, 0]  # (rows, n, m)
+    order = torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices  # visible keys first, in slot order
+    index = order[:, None, :, :, None].expand(rows_, h, n, m, d)
+
+    def per_query(t: Tensor) -> Tensor:  # (rows, h, m, d) -> each query's keys, (rows * n, h, m, d)
+        return t[:, :, None].expand(rows_, h, n, m, d).gather(3, index).transpose(1, 2).reshape(rows_ * n, h, m, d)
+
+    visible = torch.arange(m, device=q.device) < seen.sum(-1).reshape(rows_ * n, 1, 1, 1)
+    mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    out = attention(q.transpose(1, 2).reshape(rows_ * n, h, 1, d), per_query(keys), per_query(values), mask)
+    return out.reshape(rows_, n, h, d).transpose(1, 2)
