@@ -1,0 +1,147 @@
+"""Half precision computed in its own dtype on torch's path (a GPU's case; on the CPU only when the
+compute dtype is forced, as here): `tiles` runs every product in calls of ROWS tokens and attention in
+calls of ROWS queries over keys padded to KEYS, so a token's result does not depend on how many tokens
+share the call, and every speculative mode returns its plain mode's result in bf16 too."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tts_specdec import SpeculativeDecoder, tiles
+from tts_specdec.masks import additive
+
+from conftest import make_model, make_source
+
+BF16 = torch.bfloat16
+
+
+def tokens(out):
+    return [t.tolist() for t in out.tokens]
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """Decoding computes in the model's own dtype on the CPU too (`weights.compute_dtype` keeps bf16),
+    on torch's ops (the kernels run float32 only)."""
+    import tts_specdec.decoder as decoder
+    import tts_specdec.kernels as kernels
+    import tts_specdec.weights as weights
+
+    keep = lambda dtype, device: dtype  # noqa: E731
+    monkeypatch.setattr(weights, "compute_dtype", keep)
+    monkeypatch.setattr(decoder, "compute_dtype", keep)
+    monkeypatch.setattr(kernels, "ENABLED", False)
+
+
+def test_rows_runs_fixed_tiles_and_is_a_no_op_in_float32():
+    w = torch.randn(8, 24)
+    x = torch.randn(37, 8)
+    calls = []
+
+    def f(t):
+        calls.append(t.shape[0])
+        return t @ w.to(t.dtype)
+
+    assert torch.equal(tiles.rows(f, x), x @ w) and calls == [37]
+    calls.clear()
+    y = tiles.rows(f, x.to(BF16))
+    assert calls == [tiles.ROWS] * 3 and y.shape == (37, 24)
+    assert torch.equal(y, torch.cat([f(t) for t in x.to(BF16).split(1)]))  # row by row: the same bits
+    # the tokens on another dim of f's output, and two inputs split alike
+    xb = x.to(BF16)
+    z = tiles.rows(lambda a, b: torch.stack((a, b)), xb, xb + 1, dim=1)
+    assert torch.equal(z, torch.stack((xb, xb + 1)))
+
+
+@pytest.mark.parametrize("n, m, masked", [(1, 10, False), (5, 70, True), (17, 129, True), (40, 64, False)])
+def test_attention_tiles_compute_attention(n, m, masked):
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(2, 3, s, 16, generator=g) for s in (n, m, m))
+    mask = None
+    if masked:  # causal over the last n keys, as a verify pass
+        mask = additive(torch.arange(m) <= m - n + torch.arange(n)[:, None], torch.float32)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(tiles.attention(q, k, v, mask), ref)  # float32: the op itself
+    got = tiles.attention(q.to(BF16), k.to(BF16), v.to(BF16), None if mask is None else mask.to(BF16))
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got.float(), ref, atol=0.03, rtol=0.03)
+
+
+def test_a_query_attends_alike_whatever_shares_the_call():
+    """The verify pass's case: queries at positions s..s+n-1 over keys 0..s+n-1 (causal), against the
+    one-query step at each position over its keys 0..p; bit for bit in bf16 (torch's own op, untiled,
+    gave other bits at some positions on the CPU this was written on)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 200, 64, generator=g).to(BF16) for _ in range(3))
+    for n in (3, 5, 11):
+        for s in range(0, 200 - n, n):
+            end = s + n
+            mask = additive(torch.arange(end) <= s + torch.arange(n)[:, None], BF16)
+            verify = tiles.attention(q[:, :, s:end], k[:, :, :end], v[:, :, :end], mask)
+            for j in range(n):
+                p = s + j
+                step = tiles.attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1])
+                assert torch.equal(step[:, :, 0], verify[:, :, j]), (n, p)
+
+
+def test_gathered_attention_meets_scattered_keys_as_a_step_does():
+    """A tree node sees its prefix and ancestors with siblings' slots between them: the same bits as a
+    step over those keys alone, in slot order."""
+    g = torch.Generator().manual_seed(1)
+    m = 90
+    q, k, v = (torch.randn(2, 2, s, 32, generator=g).to(BF16) for s in (4, m, m))
+    seen = torch.zeros(2, 1, 4, m, dtype=torch.bool)
+    seen[..., :60] = True  # the prefix
+    hidden = torch.randperm(30, generator=g)[:12] + 60  # each query also sees a few scattered slots
+    for j in range(4):
+        seen[:, 0, j, hidden[: 3 * j + 1]] = True
+    got = tiles.gathered_attention(q, k, v, additive(seen, BF16))
+    for r in range(2):
+        for j in range(4):
+            keys = seen[r, 0, j].nonzero()[:, 0]
+            step = tiles.attention(q[r : r + 1, :, j : j + 1], k[r : r + 1, :, keys], v[r : r + 1, :, keys])
+            assert torch.equal(got[r, :, j], step[0, :, 0])
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=additive(seen, torch.float32))
+    torch.testing.assert_close(got.float(), ref, atol=0.03, rtol=0.03)
+
+
+@pytest.mark.parametrize("guided", [False, True], ids=["plain", "cfg"])
+def test_bf16_speculative_modes_equal_plain_modes_in_bf16(native, guided):
+    """Computing in bf16 (not widened): speculative greedy == greedy, speculative beam search == beam
+    search (tokens and scores), a batch == each row alone."""
+    model = (make_model(5, heads=4, kv_heads=1, cond_drop_prob=0.5) if guided else make_model(0)).to(BF16)
+    dec = SpeculativeDecoder(model)
+    assert dec.decoder.dtype == BF16
+    source = make_source(3, 6, seed=1, lengths=[6, 4, 5])
+    kw = dict(max_length=24, cond_scale=3.0 if guided else 1.0)
+    greedy = tokens(dec.sample(source, temperature=0.0, gamma=0, **kw))
+    for gamma in (1, 3, 5):
+        assert tokens(dec.sample(source, temperature=0.0, gamma=gamma, **kw)) == greedy
+    for row in range(3):
+        assert tokens(dec.sample(source[row : row + 1], temperature=0.0, gamma=3, **kw)) == greedy[row : row + 1]
+    beam = dec.beam_search(source, beam_size=3, gamma=0, **kw)
+    for gamma, width in ((1, 4), (3, 6)):
+        spec = dec.beam_search(source, beam_size=3, gamma=gamma, draft_width=width, **kw)
+        assert tokens(spec) == tokens(beam)
+        assert spec.scores == beam.scores
+
+
+def test_shipped_model_speculates_exactly_in_bf16(native):
+    """The shipped model in bf16 on sentences where torch's untiled ops made speculative greedy decoding
+    and speculative beam search (gamma 3, W 12) differ from their plain modes (CPU, 2026-11-30)."""
+    from tts_specdec.speech import load_speech_model
+    from tts_specdec.speech.pipeline import default_max_length
+    from tts_specdec.speech.references import heldout_sentences
+
+    model = load_speech_model().model.eval().to(BF16)
+    dec = SpeculativeDecoder(model)
+    texts = heldout_sentences(12)
+    for text, beams in ((texts[11], False), (texts[1], True)):
+        source = model.tokenizer_encode([text])
+        n = default_max_length(source)
+        greedy = dec.sample(source, temperature=0.0, gamma=0, max_length=n).tokens
+        assert dec.sample(source, temperature=0.0, gamma=4, max_length=n).tokens[0].tolist() == greedy[0].tolist()
+        if beams:
+            beam = dec.beam_search(source, beam_size=4, gamma=0, max_length=n)
+            spec = dec.beam_search(source, beam_size=4, gamma=3, draft_width=12, max_length=n)
+            assert spec.tokens[0].tolist() == beam.tokens[0].tolist() and spec.scores == beam.scores
