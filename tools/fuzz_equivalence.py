@@ -15,6 +15,7 @@ Prints every failing case with what is needed to rebuild it. Run it on every pat
     python tools/fuzz_equivalence.py --seed 3 --seconds 300 --compile aot_eager
     python tools/fuzz_equivalence.py --seed 5 --seconds 300 --compile none --record-runs
     python tools/fuzz_equivalence.py --seed 4 --seconds 300 --dtype bfloat16   # also with TTS_SPECDEC_KERNELS=0
+    python tools/fuzz_equivalence.py --seed 6 --seconds 300 --dtype bfloat16 --native
 
 --compile B decodes with `SpeculativeDecoder(model, compile=B)` (static compiled steps) and takes the plain
 references (greedy, beam) from the default path, in float64 so that the two paths' arithmetic (~1e-15 apart)
@@ -22,6 +23,8 @@ cannot flip a token; every case compiles its own graphs (seconds each).
 --compile none runs the static path's step functions uncompiled (its loops and bookkeeping, many cases).
 --record-runs runs what a GPU records (runs of plain steps, runs of up to 4 speculative cycles) unrecorded.
 --dtype bfloat16 converts every model with `model.to(torch.bfloat16)` (on the kernels: bfloat16 panels).
+--native computes in the models' own dtype on torch's path, as on a GPU (on the CPU a half-precision model
+otherwise computes in float32): bfloat16 there runs in fixed tiles (`tts_specdec.tiles`).
 """
 
 from __future__ import annotations
@@ -112,12 +115,23 @@ def main() -> int:
     p.add_argument("--compile", default=None,
                    help="a torch.compile backend (aot_eager, inductor): decode compiled; none: the static path uncompiled")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the models' dtype (not with --compile)")
+    p.add_argument("--native", action="store_true",
+                   help="with --dtype bfloat16: compute in bfloat16 on torch's path (tiles), as on a GPU")
     p.add_argument("--record-runs", action="store_true",
                    help="with --compile: decode as where runs are recorded (on a GPU), here unrecorded: plain runs and "
                         "runs of speculative cycles on their own buffers and random numbers")
     args = p.parse_args()
     if args.compile and args.dtype != "float32":
         p.error("--dtype: the compiled path is checked in float64 against the default path")
+    if args.native and (args.compile or args.dtype == "float32"):
+        p.error("--native: with --dtype bfloat16, without --compile")
+    if args.native:
+        import tts_specdec.decoder as decoder
+        import tts_specdec.kernels as kernels
+        import tts_specdec.weights as weights
+
+        weights.compute_dtype = decoder.compute_dtype = lambda dtype, device: dtype
+        kernels.ENABLED = False
     if args.record_runs and not args.compile:
         p.error("--record-runs: only with --compile")
     if args.record_runs:

@@ -1,14 +1,16 @@
 """Fixed tiles for torch's half-precision ops: a token's result must not depend on how many tokens share
 the call (speculation's exactness rests on it, docs/design.md). torch's bfloat16 and float16 products and
-attention pick their blocking by the call's shape, and a half-precision rounding turns the last bit that
-moves into a visible one: a verify pass over gamma + 1 tokens rounded differently from a one-token step.
-Here every product sees its tokens in calls of exactly `ROWS` rows, and attention its queries in calls of
-`ROWS` queries over keys padded (masked) to a multiple of `KEYS`: every call has a shape the call's size
-does not choose, so a token's sums run alike whatever else is decoded with it. Measured on torch's CPU
-ops in bfloat16 (2026-11-30): products kept the invariance at every row count, attention broke it both ways
-(by the number of queries, and by an unpadded key count); both tiles were needed and sufficed.
-Float32 computes untiled: the C++ kernels keep the invariance by construction, torch's float32 ops in
-every check so far."""
+attention pick their blocking by the call's shape, and a half-precision rounding turns a moved last bit
+into a visible one: a verify pass over gamma + 1 tokens rounded differently from a one-token step. Here
+every product sees its tokens in calls of exactly `ROWS` rows, and attention its queries in calls of
+`ROWS` queries over keys padded (masked) to a multiple of `KEYS`; a tree pass's nodes gather the keys
+they see first (`gathered_attention`). Every call then has a shape the number of tokens does not choose.
+On torch's CPU ops in bfloat16 (2026-11-30) products kept the invariance at every row count and attention
+broke it both ways (by the number of queries, and by an unpadded key count); the tiles were needed and
+sufficed there. Half precision computes in its own dtype on a GPU (on the CPU it widens to float32,
+`weights.compute_dtype`); what the tiles cost there is not measured: a call of n tokens makes
+ceil(n / ROWS) calls. Float32 runs untiled: the C++ kernels keep the invariance by construction, torch's
+float32 ops in every check so far."""
 
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ KEYS = 64  # attention's keys padded to a multiple of this (16 sufficed on the C
 HALF = (torch.bfloat16, torch.float16)
 
 
+Attend = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], Tensor]
+
+
+def _sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
 def on(dtype: torch.dtype) -> bool:
     """Whether ops computing in `dtype` run in tiles."""
     return dtype in HALF
@@ -32,9 +41,9 @@ def rows(f: Callable[..., Tensor], *xs: Tensor, dim: int = 0) -> Tensor:
     """f over the tokens of xs (each (tokens, ...)) in calls of exactly ROWS tokens (the last padded with
     zeros), the outputs joined along `dim` (where f puts the tokens) and the padding cut off; f(*xs) when
     xs are not half precision."""
-    if not on(xs[0].dtype):
-        return f(*xs)
     tokens = xs[0].shape[0]
+    if not on(xs[0].dtype) or tokens == 0:
+        return f(*xs)
     pad = -tokens % ROWS
     if pad:
         xs = tuple(torch.cat((x, x.new_zeros(pad, *x.shape[1:]))) for x in xs)
@@ -42,15 +51,18 @@ def rows(f: Callable[..., Tensor], *xs: Tensor, dim: int = 0) -> Tensor:
     return out.narrow(dim, 0, tokens)
 
 
-def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None = None, op: Attend = _sdpa) -> Tensor:
     """`F.scaled_dot_product_attention(q, keys, values, attn_mask)` for q (rows, h, n, d) and an additive
     mask broadcastable to (rows, h, n, m), in tiles: the keys padded to a multiple of KEYS with zeros that
     the mask hides, the queries in calls of ROWS (padding queries see every key; their rows are dropped);
-    the op itself when q is not half precision."""
+    the op itself when q is not half precision. `op(q, keys, values, mask)`: the attention to tile
+    (`F.scaled_dot_product_attention` by default)."""
     if not on(q.dtype):
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+        return op(q, keys, values, attn_mask)
     rows_, h, n, _ = q.shape
     m = keys.shape[-2]
+    if n == 0:
+        return op(q, keys, values, attn_mask)
     mask = q.new_zeros(1, 1, n, m) if attn_mask is None else attn_mask
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(-1, -1, n, m)
     key_pad, q_pad = -m % KEYS, -n % ROWS
@@ -60,18 +72,18 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None 
     if q_pad:
         q = F.pad(q, (0, 0, 0, q_pad))
         mask = F.pad(mask, (0, 0, 0, q_pad))
-    out = [F.scaled_dot_product_attention(q[:, :, i : i + ROWS], keys, values, attn_mask=mask[:, :, i : i + ROWS])
+    out = [op(q[:, :, i : i + ROWS], keys, values, mask[:, :, i : i + ROWS])
            for i in range(0, n + q_pad, ROWS)]
     return torch.cat(out, dim=2)[:, :, :n] if len(out) > 1 or q_pad else out[0]
 
 
-def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor) -> Tensor:
+def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor, op: Attend = _sdpa) -> Tensor:
     """`attention` where queries see scattered keys (a tree pass: a node sees its prefix and its
     ancestors, its siblings' slots lie between them): each query's visible keys are gathered first, in
     slot order, so they sit where a one-token step over the same prefix has them, and the sums meet them in
     the same lanes. attn_mask: additive or bool, broadcastable to (rows, 1, n, m) (the same for every head)."""
     if not on(q.dtype):
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+        return op(q, keys, values, attn_mask)
     rows_, h, n, d = q.shape
     m = keys.shape[-2]
     seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
@@ -84,5 +96,5 @@ def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tenso
 
     visible = torch.arange(m, device=q.device) < seen.sum(-1).reshape(rows_ * n, 1, 1, 1)
     mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-    out = attention(q.transpose(1, 2).reshape(rows_ * n, h, 1, d), per_query(keys), per_query(values), mask)
+    out = attention(q.transpose(1, 2).reshape(rows_ * n, h, 1, d), per_query(keys), per_query(values), mask, op)
     return out.reshape(rows_, n, h, d).transpose(1, 2)

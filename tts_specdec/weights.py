@@ -26,7 +26,7 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     runs on the CPU kernels, whose sums for a row do not depend on how many rows share the call;
     speculation's exactness rests on that, and torch's half-precision CPU products do not keep it (a
     verify pass over several tokens rounded differently from a one-token step). On a GPU the
-    parameters' dtype is kept."""
+    parameters' dtype is kept, and torch's ops run in fixed tiles there (`tiles`)."""
     return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import tiles
 from ..cache import BufferPool, KVCache
 from ..finite import marked
 from ..sampling import Draws, cfg_mix, filter_logits
@@ -112,8 +113,10 @@ def _weights_of(dec: Decoder) -> _Weights:
 
 def _ff_residual(w: _Layer, x: Tensor) -> Tensor:
     """x + FeedForward(x) (RMSNorm, Linear, GEGLU, Linear) for x (tokens, dim)."""
-    h, gate = torch.addmm(w.ff_in_b, _unit(x), w.ff_in).chunk(2, dim=-1)
-    return torch.addmm(x + w.ff_out_b, F.gelu(gate) * h, w.ff_out)
+    def ff(x: Tensor) -> Tensor:
+        h, gate = torch.addmm(w.ff_in_b, _unit(x), w.ff_in).chunk(2, dim=-1)
+        return torch.addmm(x + w.ff_out_b, F.gelu(gate) * h, w.ff_out)
+    return tiles.rows(ff, x)
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
@@ -143,6 +146,8 @@ def _layers(
     cos, sin = cos_t[pos], sin_t[pos]  # (rows, n, d)
     if slots is None:
         slots = pos
+    # a tree's nodes see scattered slots: in half precision each gathers its own first (`tiles`)
+    attend = tiles.attention if allowed is None else tiles.gathered_attention
     if allowed is None:
         allowed = torch.arange(cap, device=x.device) <= slots[:, None, :, None]
     mask = torch.zeros(rows, 1, n, cap, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
@@ -152,7 +157,7 @@ def _layers(
     x = x.reshape(rows * n, dim)
     for i in layers:
         lw = w.layers[i]
-        qkv = torch.mm(_unit(x), lw.qkv).view(rows, n, -1, d).transpose(1, 2)  # (rows, h + 2kvh, n, d)
+        qkv = tiles.rows(lambda t: torch.mm(_unit(t), lw.qkv), x).view(rows, n, -1, d).transpose(1, 2)  # (rows, h + 2kvh, n, d)
         qk = rotate(qkv[:, : heads + kvh], cos[:, None], sin[:, None])
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh :]
         k_layer, v_layer = k_all[i], v_all[i]
@@ -161,11 +166,11 @@ def _layers(
         keys, values = k_layer, v_layer
         if kvh != heads:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
             keys, values = keys.repeat(1, heads // kvh, 1, 1), values.repeat(1, heads // kvh, 1, 1)
-        a = _attend(q, keys, values, mask)
-        x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), lw.attn_out)
-        q = torch.mm(_unit(x), lw.cross_q).view(rows, n, heads, d).transpose(1, 2)
-        a = _attend(q, enc_k[i], enc_v[i], enc_mask)
-        x = torch.addmm(x, a.transpose(1, 2).reshape(rows * n, -1), lw.cross_out)
+        a = attend(q, keys, values, mask, _attend)
+        x = tiles.rows(lambda t, u: torch.addmm(t, u, lw.attn_out), x, a.transpose(1, 2).reshape(rows * n, -1))
+        q = tiles.rows(lambda t: torch.mm(_unit(t), lw.cross_q), x).view(rows, n, heads, d).transpose(1, 2)
+        a = tiles.attention(q, enc_k[i], enc_v[i], enc_mask, _attend)
+        x = tiles.rows(lambda t, u: torch.addmm(t, u, lw.cross_out), x, a.transpose(1, 2).reshape(rows * n, -1))
         x = _ff_residual(lw, x)
     return x.view(rows, n, dim)
 
@@ -195,7 +200,7 @@ def _plain_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, s
     """One plain step for every row: pos (rows,) -> (token (seqs,) marked as `_pick` marks it, next input,
     pos + 1)."""
     h = _layers(w, range(len(w.layers)), x, pos[:, None], k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
-    token, mark, _ = _pick(torch.mm(_unit(h[:, 0]), w.target), noise, cfg, guided, scale)
+    token, mark, _ = _pick(tiles.rows(lambda t: torch.mm(_unit(t), w.target), h[:, 0]), noise, cfg, guided, scale)
     return mark, _next_input(w, token, guided), pos + 1
 
 
@@ -220,7 +225,7 @@ def _run(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads
     h = _layers(w, range(first, stop), x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
     if not head:
         return h
-    return torch.mm(_unit(h.reshape(-1, h.shape[-1])), w.target).view(*h.shape[:2], -1)
+    return tiles.rows(lambda t: torch.mm(_unit(t), w.target), h.reshape(-1, h.shape[-1])).view(*h.shape[:2], -1)
 
 
 def _exit_states(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, stop):
