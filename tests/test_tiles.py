@@ -22,16 +22,11 @@ def tokens(out):
 
 @pytest.fixture
 def native(monkeypatch):
-    """Decoding computes in the model's own dtype on the CPU too (`weights.compute_dtype` keeps bf16),
-    on torch's ops (the kernels run float32 only)."""
-    import tts_specdec.decoder as decoder
-    import tts_specdec.kernels as kernels
+    """Decoding computes in the model's own dtype on the CPU too (`TTS_SPECDEC_HALF=native`), on torch's
+    ops (the kernels run float32 only)."""
     import tts_specdec.weights as weights
 
-    keep = lambda dtype, device: dtype  # noqa: E731
-    monkeypatch.setattr(weights, "compute_dtype", keep)
-    monkeypatch.setattr(decoder, "compute_dtype", keep)
-    monkeypatch.setattr(kernels, "ENABLED", False)
+    monkeypatch.setattr(weights, "NATIVE_HALF", True)
 
 
 def test_rows_runs_fixed_tiles_and_is_a_no_op_in_float32():
@@ -85,16 +80,16 @@ def test_a_query_attends_alike_whatever_shares_the_call():
                 assert torch.equal(step[:, :, 0], verify[:, :, j]), (n, p)
 
 
+@pytest.mark.parametrize("prefix, m", [(60, 90), (100, 600)])  # keys padded alike; to 128 vs 640
 @pytest.mark.parametrize("op", [tiles._sdpa, static_compiled._attend], ids=["sdpa", "compiled"])
-def test_gathered_attention_meets_scattered_keys_as_a_step_does(op):
+def test_gathered_attention_meets_scattered_keys_as_a_step_does(op, prefix, m):
     """A tree node sees its prefix and ancestors with siblings' slots between them: the same bits as a
     step over those keys alone, in slot order; for torch's attention op and the compiled path's."""
     g = torch.Generator().manual_seed(1)
-    m = 90
     q, k, v = (torch.randn(2, 2, s, 32, generator=g).to(BF16) for s in (4, m, m))
     seen = torch.zeros(2, 1, 4, m, dtype=torch.bool)
-    seen[..., :60] = True  # the prefix
-    hidden = torch.randperm(30, generator=g)[:12] + 60  # each query also sees a few scattered slots
+    seen[..., :prefix] = True
+    hidden = torch.randperm(30, generator=g)[:12] + prefix  # each query also sees a few scattered slots
     for j in range(4):
         seen[:, 0, j, hidden[: 3 * j + 1]] = True
     got = tiles.gathered_attention(q, k, v, additive(seen, BF16), op)
@@ -105,19 +100,32 @@ def test_gathered_attention_meets_scattered_keys_as_a_step_does(op):
             assert torch.equal(got[r, :, j], step[0, :, 0])
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=additive(seen, torch.float32))
     torch.testing.assert_close(got.float(), ref, atol=0.03, rtol=0.03)
+    assert torch.equal(tiles.gathered_attention(q, k, v, seen, op), got)  # a bool mask: the same
+    assert torch.equal(tiles.gathered_attention(q, k, v, None, op), tiles.attention(q, k, v, None, op))
+
+
+def test_attention_takes_bool_masks():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, s, 16, generator=g).to(BF16) for s in (5, 70, 70))
+    seen = torch.arange(70) <= 65 + torch.arange(5)[:, None]
+    assert torch.equal(tiles.attention(q, k, v, seen), tiles.attention(q, k, v, additive(seen, BF16)))
 
 
 @pytest.mark.parametrize("guided, compile", [(False, False), (True, False), (True, "aot_eager")],
                          ids=["plain", "cfg", "cfg-compiled"])
-def test_bf16_speculative_modes_equal_plain_modes_in_bf16(native, guided, compile, one_thread):
+def test_bf16_speculative_modes_equal_plain_modes_in_bf16(native, guided, compile, one_thread, monkeypatch):
     """Computing in bf16 (not widened), on torch's path and the compiled static path (traced as on a
     GPU, run by aot_eager): speculative greedy == greedy, speculative beam search == beam search (tokens
     and scores), a batch == each row alone. Untiled, torch's path fails this on these models; the
     compiled case passes untiled too (its keys are the whole static cache already): it checks that the
-    tiles run there (the shipped model's compiled case, which failed untiled, compiles for minutes)."""
+    compiled path traces and runs with the tiles (the shipped model's compiled case, which failed
+    untiled, compiles for minutes)."""
     model = (make_model(5, heads=4, kv_heads=1, cond_drop_prob=0.5) if guided else make_model(0)).to(BF16)
     dec = SpeculativeDecoder(model, compile=compile)
     assert dec.decoder.dtype == BF16 and dec.decoder.backend.name == ("compiled" if compile else "torch")
+    tiled, rows = [], tiles.rows
+    if not compile:  # (a list appended to while dynamo traces makes it recompile every call)
+        monkeypatch.setattr(tiles, "rows", lambda f, *xs, dim=0: tiled.append(len(xs[0])) or rows(f, *xs, dim=dim))
     source = make_source(3, 6, seed=1, lengths=[6, 4, 5])
     kw = dict(max_length=24, cond_scale=3.0 if guided else 1.0)
     greedy = tokens(dec.sample(source, temperature=0.0, gamma=0, **kw))
@@ -130,6 +138,7 @@ def test_bf16_speculative_modes_equal_plain_modes_in_bf16(native, guided, compil
         spec = dec.beam_search(source, beam_size=3, gamma=gamma, draft_width=width, **kw)
         assert tokens(spec) == tokens(beam)
         assert spec.scores == beam.scores
+    assert compile or tiled  # the products ran in tiles
 
 
 def test_shipped_model_speculates_exactly_in_bf16(native):

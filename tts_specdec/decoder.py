@@ -181,7 +181,8 @@ class Decoder:
                               _c(torch.stack([torch.stack(tuple(c.null_kv)) for c in crosses])))
         w_kv, null_kv = self._cross_kv
         flat = states.reshape(b * s, -1)
-        kv = (w_kv(flat) if isinstance(w_kv, Packed) else flat @ w_kv).view(b, s, self.depth, 2, null_kv.shape[2], -1)
+        kv = w_kv(flat) if isinstance(w_kv, Packed) else tiles.rows(lambda t: t @ w_kv, flat)
+        kv = kv.view(b, s, self.depth, 2, null_kv.shape[2], -1)
         kv_all = states.new_empty(self.depth, 2, b, null_kv.shape[2], 1 + s, kv.shape[-1])  # null key first
         kv_all[..., :1, :] = null_kv[:, :, None]
         kv_all[..., 1:, :] = kv.permute(2, 3, 0, 4, 1, 5)

@@ -61,7 +61,8 @@ class SourceEncoder:
             bias.masked_fill_(~mask[:, None, None, :], torch.finfo(x.dtype).min)
         x = x.reshape(b * n, dim)
         for layer in self.layers:
-            heads = tiles.rows(lambda t: _normed_mm(t, layer.qkv), x).view(b, n, h + 2 * kvh, -1).transpose(1, 2)  # (b, heads, n, d)
+            heads = tiles.rows(lambda t: _normed_mm(t, layer.qkv), x)
+            heads = heads.view(b, n, h + 2 * kvh, -1).transpose(1, 2)  # (b, heads, n, d)
             q, k = rotate(heads[:, :h], cos, sin), rotate(heads[:, h : h + kvh], cos, sin)
             v = heads[:, h + kvh :]
             if kvh < h:  # query head i reads kv head i % kvh, as upstream's repeat

@@ -32,6 +32,12 @@ def _sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tenso
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def on(dtype: torch.dtype) -> bool:
     """Whether ops computing in `dtype` run in tiles."""
     return dtype in HALF
@@ -45,10 +51,11 @@ def rows(f: Callable[..., Tensor], *xs: Tensor, dim: int = 0) -> Tensor:
     if not on(xs[0].dtype) or tokens == 0:
         return f(*xs)
     pad = -tokens % ROWS
-    if pad:
-        xs = tuple(torch.cat((x, x.new_zeros(pad, *x.shape[1:]))) for x in xs)
-    out = torch.cat([f(*(x[i : i + ROWS] for x in xs)) for i in range(0, tokens + pad, ROWS)], dim=dim)
-    return out.narrow(dim, 0, tokens)
+    if pad:  # zero rows: a norm of zero gives zero, never NaN
+        xs = tuple(F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) for x in xs)
+    outs = [f(*(x[i : i + ROWS] for x in xs)) for i in range(0, tokens + pad, ROWS)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=dim)
+    return out.narrow(dim, 0, tokens) if pad else out
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None = None, op: Attend = _sdpa) -> Tensor:
@@ -56,14 +63,13 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None 
     mask broadcastable to (rows, h, n, m), in tiles: the keys padded to a multiple of KEYS with zeros that
     the mask hides, the queries in calls of ROWS (padding queries see every key; their rows are dropped);
     the op itself when q is not half precision. `op(q, keys, values, mask)`: the attention to tile
-    (`F.scaled_dot_product_attention` by default)."""
+    (`F.scaled_dot_product_attention` by default); a bool mask (True: attend) is made additive."""
     if not on(q.dtype):
         return op(q, keys, values, attn_mask)
-    rows_, h, n, _ = q.shape
-    m = keys.shape[-2]
+    n, m = q.shape[-2], keys.shape[-2]
     if n == 0:
         return op(q, keys, values, attn_mask)
-    mask = q.new_zeros(1, 1, n, m) if attn_mask is None else attn_mask
+    mask = q.new_zeros(1, 1, n, m) if attn_mask is None else _additive(attn_mask, q.dtype)
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(-1, -1, n, m)
     key_pad, q_pad = -m % KEYS, -n % ROWS
     if key_pad:
@@ -77,13 +83,13 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None 
     return torch.cat(out, dim=2)[:, :, :n] if len(out) > 1 or q_pad else out[0]
 
 
-def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor, op: Attend = _sdpa) -> Tensor:
+def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None, op: Attend = _sdpa) -> Tensor:
     """`attention` where queries see scattered keys (a tree pass: a node sees its prefix and its
     ancestors, its siblings' slots lie between them): each query's visible keys are gathered first, in
     slot order, so they sit where a one-token step over the same prefix has them, and the sums meet them in
     the same lanes. attn_mask: additive or bool, broadcastable to (rows, 1, n, m) (the same for every head)."""
-    if not on(q.dtype):
-        return op(q, keys, values, attn_mask)
+    if not on(q.dtype) or attn_mask is None:  # no mask: every key is seen, in slot order already
+        return attention(q, keys, values, attn_mask, op)
     rows_, h, n, d = q.shape
     m = keys.shape[-2]
     seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0

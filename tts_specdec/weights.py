@@ -5,6 +5,7 @@ pays; and the rotary tables. Shared by the decoder (`decoder.py`) and the source
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,11 @@ def _unit(x: Tensor) -> Tensor:
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
+# TTS_SPECDEC_HALF=native: half precision computes in its own dtype on the CPU too, as on a GPU (on torch's
+# path, in `tiles`): how the GPU's case is checked on a machine without one. Read once, at import.
+NATIVE_HALF = os.environ.get("TTS_SPECDEC_HALF", "") == "native"
+
+
 def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype decoding computes in for parameters of `dtype` on `device`: float32 for half-precision
     parameters on the CPU, else their own. bf16 and fp16 values widen to float32 exactly, and float32
@@ -27,7 +33,8 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     speculation's exactness rests on that, and torch's half-precision CPU products do not keep it (a
     verify pass over several tokens rounded differently from a one-token step). On a GPU the
     parameters' dtype is kept, and torch's ops run in fixed tiles there (`tiles`)."""
-    return torch.float32 if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else dtype
+    half = dtype in (torch.bfloat16, torch.float16)
+    return torch.float32 if half and device.type == "cpu" and not NATIVE_HALF else dtype
 
 
 def _c(t: Tensor) -> Tensor:

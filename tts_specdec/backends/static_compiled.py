@@ -157,7 +157,8 @@ def _layers(
     x = x.reshape(rows * n, dim)
     for i in layers:
         lw = w.layers[i]
-        qkv = tiles.rows(lambda t: torch.mm(_unit(t), lw.qkv), x).view(rows, n, -1, d).transpose(1, 2)  # (rows, h + 2kvh, n, d)
+        qkv = tiles.rows(lambda t: torch.mm(_unit(t), lw.qkv), x)
+        qkv = qkv.view(rows, n, -1, d).transpose(1, 2)  # (rows, h + 2kvh, n, d)
         qk = rotate(qkv[:, : heads + kvh], cos[:, None], sin[:, None])
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh :]
         k_layer, v_layer = k_all[i], v_all[i]

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..finite import marked
 from .. import tiles
+from ..finite import marked
 from ..masks import additive
 from ..sampling import cfg_mix, draw, probabilities
 from ..weights import _normed_mm, _residual, _unit, rotate
