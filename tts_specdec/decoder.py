@@ -351,8 +351,7 @@ class Decoder:
 
     def target_logits(self, h: Tensor) -> Tensor:
         """Final norm + tied output projection on the last layer's hidden state."""
-        weight = self._target_weight()
-        return tiles.rows(lambda t: _normed_mm(t, weight), h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+        return _normed_mm(h.reshape(-1, h.shape[-1]), self._target_weight()).view(*h.shape[:-1], -1)
 
     def _target_weight(self) -> Tensor | Packed:
         if self._target_head is None:

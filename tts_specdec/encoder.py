@@ -61,13 +61,13 @@ class SourceEncoder:
             bias.masked_fill_(~mask[:, None, None, :], torch.finfo(x.dtype).min)
         x = x.reshape(b * n, dim)
         for layer in self.layers:
-            heads = tiles.rows(lambda t: _normed_mm(t, layer.qkv), x)
+            heads = _normed_mm(x, layer.qkv)
             heads = heads.view(b, n, h + 2 * kvh, -1).transpose(1, 2)  # (b, heads, n, d)
             q, k = rotate(heads[:, :h], cos, sin), rotate(heads[:, h : h + kvh], cos, sin)
             v = heads[:, h + kvh :]
             if kvh < h:  # query head i reads kv head i % kvh, as upstream's repeat
                 k, v = k.repeat(1, h // kvh, 1, 1), v.repeat(1, h // kvh, 1, 1)
             a = tiles.attention(q, k, v, bias).transpose(1, 2).reshape(b * n, -1)
-            x = tiles.rows(lambda t, u: _residual(t, u, layer.out), x, a)
-            x = tiles.rows(layer.ff.residual, x)
+            x = _residual(x, a, layer.out)
+            x = layer.ff.residual(x)
         return (_unit(x) * self.final_gain).view(b, n, dim)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import kernels
+from . import kernels, tiles
 from .kernels import PANEL, Packed
 
 
@@ -77,15 +77,23 @@ def _packed_or(w_t: Tensor, store: torch.dtype = torch.float32) -> Tensor | Pack
     return Packed(F.pad(w_t, (0, -w_t.shape[1] % PANEL)), width=w_t.shape[1], store=store)
 
 
+# torch's products below run in `tiles` (a no-op but in half precision): a token's bits must not depend on
+# how many tokens share the call; the kernels' (Packed) keep that by construction.
+
+
 def _normed_mm(x: Tensor, w: Tensor | Packed) -> Tensor:
     """_unit(x) @ w; the kernel scales the sums by the row norms instead of normalising x first."""
-    return w(x, normalize=True) if isinstance(w, Packed) else torch.mm(_unit(x), w)
+    return w(x, normalize=True) if isinstance(w, Packed) else tiles.rows(lambda t: torch.mm(_unit(t), w), x)
 
 
 def _residual(x: Tensor, a: Tensor, w: Tensor | Packed) -> Tensor:
     """x + a @ w for w packed, (in, out), or its column blocks (blocks, in, out / blocks)."""
     if isinstance(w, Packed):
         return w(a, residual=x)
+    return tiles.rows(lambda t, u: _residual_mm(t, u, w), x, a)
+
+
+def _residual_mm(x: Tensor, a: Tensor, w: Tensor) -> Tensor:
     if w.dim() == 2:
         return torch.addmm(x, a, w)
     b = w.shape[0]
@@ -154,9 +162,12 @@ class _FeedForward:
 
     def residual(self, x: Tensor) -> Tensor:
         """x + ff(x) for x (tokens, dim), the residual add folded into the output product."""
-        b = self.blocks
-        if b == 0:  # the kernel: GEGLU applied while reading w_out's input
+        if self.blocks == 0:  # the kernel: GEGLU applied while reading w_out's input
             return self.w_out(self.w_in(x, self.b_in, normalize=True), self.b_out, residual=x, geglu=True)
+        return tiles.rows(self._torch_residual, x)
+
+    def _torch_residual(self, x: Tensor) -> Tensor:
+        b = self.blocks
         xn = _unit(x)
         if b == 1:
             h, gate = torch.addmm(self.b_in, xn, self.w_in).chunk(2, dim=-1)

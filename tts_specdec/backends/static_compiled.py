@@ -35,7 +35,7 @@ from .. import tiles
 from ..cache import BufferPool, KVCache
 from ..finite import marked
 from ..sampling import Draws, cfg_mix, filter_logits
-from ..weights import _c, _t, _unit, rotate
+from ..weights import _c, _normed_mm, _residual, _t, _unit, rotate
 from .torch_eager import TorchEager
 
 if TYPE_CHECKING:
@@ -157,8 +157,7 @@ def _layers(
     x = x.reshape(rows * n, dim)
     for i in layers:
         lw = w.layers[i]
-        qkv = tiles.rows(lambda t: torch.mm(_unit(t), lw.qkv), x)
-        qkv = qkv.view(rows, n, -1, d).transpose(1, 2)  # (rows, h + 2kvh, n, d)
+        qkv = _normed_mm(x, lw.qkv).view(rows, n, -1, d).transpose(1, 2)  # (rows, h + 2kvh, n, d)
         qk = rotate(qkv[:, : heads + kvh], cos[:, None], sin[:, None])
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh :]
         k_layer, v_layer = k_all[i], v_all[i]
@@ -168,10 +167,10 @@ def _layers(
         if kvh != heads:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
             keys, values = keys.repeat(1, heads // kvh, 1, 1), values.repeat(1, heads // kvh, 1, 1)
         a = attend(q, keys, values, mask, _attend)
-        x = tiles.rows(lambda t, u: torch.addmm(t, u, lw.attn_out), x, a.transpose(1, 2).reshape(rows * n, -1))
-        q = tiles.rows(lambda t: torch.mm(_unit(t), lw.cross_q), x).view(rows, n, heads, d).transpose(1, 2)
+        x = _residual(x, a.transpose(1, 2).reshape(rows * n, -1), lw.attn_out)
+        q = _normed_mm(x, lw.cross_q).view(rows, n, heads, d).transpose(1, 2)
         a = tiles.attention(q, enc_k[i], enc_v[i], enc_mask, _attend)
-        x = tiles.rows(lambda t, u: torch.addmm(t, u, lw.cross_out), x, a.transpose(1, 2).reshape(rows * n, -1))
+        x = _residual(x, a.transpose(1, 2).reshape(rows * n, -1), lw.cross_out)
         x = _ff_residual(lw, x)
     return x.view(rows, n, dim)
 
@@ -201,7 +200,7 @@ def _plain_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, s
     """One plain step for every row: pos (rows,) -> (token (seqs,) marked as `_pick` marks it, next input,
     pos + 1)."""
     h = _layers(w, range(len(w.layers)), x, pos[:, None], k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
-    token, mark, _ = _pick(tiles.rows(lambda t: torch.mm(_unit(t), w.target), h[:, 0]), noise, cfg, guided, scale)
+    token, mark, _ = _pick(_normed_mm(h[:, 0], w.target), noise, cfg, guided, scale)
     return mark, _next_input(w, token, guided), pos + 1
 
 
@@ -210,7 +209,7 @@ def _draft_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, s
     """One draft step: layers below the exit and the exit head -> (exit state, token marked as `_pick`
     marks it, q or None, the probability draft stops test (`stops`; else None), next input, pos + 1)."""
     h = _layers(w, range(exit_layer), x, pos[:, None], k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
-    logits = torch.mm(_unit(_ff_residual(w.exit_ff, h[:, 0])), w.exit_out)
+    logits = _normed_mm(_ff_residual(w.exit_ff, h[:, 0]), w.exit_out)
     if guided:
         logits = cfg_mix(logits, scale)
     token, mark, q = _pick(logits, noise, cfg, False, 1.0)
@@ -226,7 +225,7 @@ def _run(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads
     h = _layers(w, range(first, stop), x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
     if not head:
         return h
-    return tiles.rows(lambda t: torch.mm(_unit(t), w.target), h.reshape(-1, h.shape[-1])).view(*h.shape[:2], -1)
+    return _normed_mm(h.reshape(-1, h.shape[-1]), w.target).view(*h.shape[:2], -1)
 
 
 def _exit_states(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, stop):

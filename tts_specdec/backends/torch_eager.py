@@ -71,13 +71,15 @@ class TorchEager(Backend):
             q_pad = x.new_zeros(rows * n, h_ * d)
         tokens = x.shape[0]
         enc_keys, enc_values = enc.dense()
+        # a tree's nodes (explicit positions) see scattered slots: in half precision each gathers its own
+        attend = tiles.attention if positions is None else tiles.gathered_attention
         for i in layers:
             w = weights[i]
             # causal self-attention over the row's cache; q and k rotated together
             if isinstance(w.qkv, Tensor) and w.qkv.dim() == 3:  # heads first: (q + k + v heads, tokens, d)
                 heads = tiles.rows(lambda t: torch.bmm(_unit(t).expand(w.qkv.shape[0], -1, -1), w.qkv), x, dim=1)
             else:
-                heads = tiles.rows(lambda t: _normed_mm(t, w.qkv), x).view(tokens, -1, d).transpose(0, 1)
+                heads = _normed_mm(x, w.qkv).view(tokens, -1, d).transpose(0, 1)
             if keep is None:
                 heads = heads.reshape(-1, rows, n, d)
                 qk = rotate(heads[: h_ + kvh], cos, sin)
@@ -91,9 +93,8 @@ class TorchEager(Backend):
             keys, values = cache.write(i, qk[h_:].transpose(0, 1), v.transpose(0, 1), start)
             if kvh != h_:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
                 keys, values = keys.repeat(1, h_ // kvh, 1, 1), values.repeat(1, h_ // kvh, 1, 1)
-            attend = tiles.attention if positions is None else tiles.gathered_attention
             a = self._unpad(attend(q, keys, values, attn_mask), keep)
-            x = tiles.rows(lambda t, u: _residual(t, u, w.attn_out_t), x, a)
+            x = _residual(x, a, w.attn_out_t)
             # cross-attention over the precomputed source K/V
             if isinstance(w.cross_q_t, Tensor) and w.cross_q_t.dim() == 3:  # per head: (heads, tokens, d)
                 q = tiles.rows(lambda t: torch.bmm(_unit(t).expand(h_, -1, -1), w.cross_q_t), x, dim=1)
@@ -101,14 +102,14 @@ class TorchEager(Backend):
                     q = q_pad.view(h_, rows * n, d).index_copy_(1, keep, q)
                 q = q.view(h_, rows, n, d).transpose(0, 1)
             else:
-                q = tiles.rows(lambda t: _normed_mm(t, w.cross_q_t), x)
+                q = _normed_mm(x, w.cross_q_t)
                 if keep is not None:
                     q = q_pad.index_copy_(0, keep, q)
                 q = q.view(rows, n, -1, d).transpose(1, 2)
             a = self._unpad(tiles.attention(q, enc_keys[i], enc_values[i], enc.mask), keep)
-            x = tiles.rows(lambda t, u: _residual(t, u, w.cross_out_t), x, a)
+            x = _residual(x, a, w.cross_out_t)
             # feed-forward: RMSNorm, Linear, GEGLU, Linear
-            x = tiles.rows(w.ff.residual, x)
+            x = w.ff.residual(x)
             dec.layer_evals[i] += tokens
         if keep is not None:
             x = x.new_zeros(rows * n, dim).index_copy_(0, keep, x)
