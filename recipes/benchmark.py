@@ -44,7 +44,7 @@ from tts_specdec.results import DecodeStats  # noqa: E402
 from tts_specdec.distill import distill_exit_head  # noqa: E402
 from tts_specdec.inputs import MAX_BEAM_SIZE, MAX_FIXED_GAMMA, default_draft_width  # noqa: E402
 from tts_specdec.speech import cli  # noqa: E402
-from tts_specdec.speech.atomic import atomic_file  # noqa: E402
+from tts_specdec.speech.atomic import write_text  # noqa: E402
 
 
 @dataclass
@@ -356,8 +356,7 @@ def leviathan_bound(alpha: float, gamma: int, c: float, v: float = 1.0) -> float
 
 def write_json(path: Path, result: dict, indent: int = 1) -> None:
     """`result` as JSON at `path`, written atomically (a reader never sees half a file)."""
-    with atomic_file(path, "w", encoding="utf-8") as file:
-        file.write(json.dumps(result, indent=indent) + "\n")
+    write_text(path, json.dumps(result, indent=indent) + "\n")
 
 
 def machine_info(device: str) -> dict:

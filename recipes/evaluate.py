@@ -23,6 +23,7 @@ from tts_specdec.speech.pipeline import DEFAULT_COND_SCALE
 from tts_specdec.speech.evaluation import run_mode, vocoder_ceiling
 from tts_specdec.speech.references import heldout_sentences, reference_wavs
 from tts_specdec.speech.report import markdown_table
+from tts_specdec.speech.atomic import write_text
 
 
 def main() -> None:
@@ -63,7 +64,7 @@ def main() -> None:
                             "duration_ratios": r.quality.duration_ratios} for r in results}
         figures["vocoder_ceiling"] = {"content_id_accuracy": ceiling.content_id_accuracy,
                                       "duration_pass_rate": ceiling.duration_pass_rate}
-        args.json.write_text(json.dumps(figures, indent=2))
+        write_text(args.json, json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

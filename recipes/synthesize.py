@@ -31,6 +31,7 @@ import torch
 from tts_specdec.speech import MODES, SpeechModel, load_default, load_speech_model, synthesize
 from tts_specdec.speech import batch, cli
 from tts_specdec.speech.audio import write_wav
+from tts_specdec.speech.atomic import write_text
 from tts_specdec.speech.longtext import MAX_PIECE_CHARS
 from tts_specdec.inputs import MAX_COND_SCALE
 from tts_specdec.speech.pipeline import DEFAULT_COND_SCALE
@@ -171,7 +172,7 @@ def write_readme(out_dir: Path, speech: SpeechModel, results, ceiling, identical
         lines.append(f"- `{mode}/`: " + ", ".join(f"`{uid}.wav`" for uid in ids))
     lines += ["", "| id | text |", "|---|---|"]
     lines += [f"| {uid} | {text} |" for uid, text in zip(ids, texts[:n_samples])]
-    (out_dir / "README.md").write_text("\n".join(lines) + "\n")
+    write_text(out_dir / "README.md", "\n".join(lines) + "\n")
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tts_specdec.speech import batch
-from tts_specdec.speech.atomic import atomic_file, remove_partials
+from tts_specdec.speech.atomic import atomic_file, remove_partials, write_text
 from tts_specdec.speech.audio import wav_samples, write_wav
 from tts_specdec.speech.batch import Line, Settings, read_lines
 from tts_specdec.speech.manifest import (BLANK, ERROR, OK, Entry, append_entries, is_done, latest_entries,
@@ -90,6 +90,16 @@ def test_atomic_file_leaves_the_old_file_on_error(tmp_path):
     (tmp_path / ".x.txt.abc.partial").write_text("left by a kill")
     assert remove_partials(tmp_path) == 1 and target.read_text() == "old"
     assert wav_samples(target) is None  # not a wav
+
+
+def test_write_text_replaces_the_file_whole(tmp_path):
+    """What the tools and recipes write their JSON and reports with: the new text in one replace, no
+    temporary file left beside it."""
+    target = tmp_path / "figures.json"
+    target.write_text("old")
+    write_text(target, "{\"é\": 1}\n")
+    assert target.read_text(encoding="utf-8") == "{\"é\": 1}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.json"]
 
 
 def write_lines(path, lines):

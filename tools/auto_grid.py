@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 from tts_specdec.results import DecodeStats  # noqa: E402
+from tts_specdec.speech.atomic import write_text  # noqa: E402
 
 MODELS = {"shipped": None, "width512": (512, 8)}  # widen(dim, heads) of the shipped checkpoint
 FAMILIES = ("sample", "greedy", "beam")
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(cells))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": machine(), "sentences": args.sentences, "reps": args.reps,
+        write_text(args.json, json.dumps({"machine": machine(), "sentences": args.sentences, "reps": args.reps,
                                          "beam_size": BEAM_SIZE, "fixed_gamma": FIXED_GAMMA,
                                          "beam_gamma": BEAM_GAMMA, "cells": cells}, indent=1))
     return 0 if all(c["same_tokens"] in (True, None) for c in cells) else 1

@@ -27,6 +27,7 @@ from benchmark import default_model, machine_info, tool_parser  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 from tts_specdec.backends.base import Backend  # noqa: E402
+from tts_specdec.speech.atomic import write_text  # noqa: E402
 
 
 def main() -> None:
@@ -87,7 +88,7 @@ def main() -> None:
     for name, r in rate.items():
         print(f"{name:30s} {r:8.1f} tokens/s  {r / rate['beam']:.3f}x of beam")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_text(args.json, json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 
 from tts_specdec import SpeculativeDecoder
 from tts_specdec.speech import load_default, load_speech_model
-from tts_specdec.speech.atomic import atomic_file
+from tts_specdec.speech.atomic import write_text
 from tts_specdec.speech.pipeline import default_max_length
 from tts_specdec.speech.references import heldout_sentences
 
@@ -47,8 +47,7 @@ def main() -> None:
     if args.json:
         out = {"command": " ".join(["tools/dtype_units.py", *sys.argv[1:]]), "sentences": args.n,
                "identical_sentences": same, "equal_units": equal, "units": total}
-        with atomic_file(args.json, "w", encoding="utf-8") as file:
-            file.write(json.dumps(out, indent=1) + "\n")
+        write_text(args.json, json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 
 from tts_specdec import kernels
 from tts_specdec.kernels import Packed
+from tts_specdec.speech.atomic import write_text
 
 ROWS = (1, 2, 4, 5, 6, 8, 9, 12, 16, 20, 24, 32)
 
@@ -74,7 +75,7 @@ def main() -> None:
                "rows": {str(r): {"ms": median[r] * 1e3, "x_one_row": median[r] / median[1],
                                  "in_cache_gflops": in_cache[r], "arithmetic_x_one_row": own[r],
                                  "floor_x_one_row": floor[r]} for r in ROWS}}
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        write_text(args.json, json.dumps(out, indent=1) + "\n")
 
 
 def _in_cache_gflops(store: str, reps: int) -> dict[int, float]:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tts_specdec import SpeculativeDecoder, speculative  # noqa: E402
 from tts_specdec.speech import load_default  # noqa: E402
+from tts_specdec.speech.atomic import write_text  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 MODES = {
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== {name}: {fig['tokens_per_s']:.1f} tokens/s ({tokens} tokens in {args.reps * len(texts)} decodes, first call "
               f"{warm:.1f} s{', alpha %.2f' % fig['alpha'] if judged else ''})", flush=True)
         if args.out:  # after every mode: a run stopped at its time limit keeps what it measured
-            (args.out / "profile.json").write_text(json.dumps(report, indent=2))
+            write_text(args.out / "profile.json", json.dumps(report, indent=2))
     # profiled after every mode is timed: on an H200 (2026-11-29) modes timed after a profiled decode ran
     # 20-30% slower than the same modes in a process that profiled nothing
     for name in args.modes if args.profile else ():
@@ -172,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         print(by_dev, flush=True)
         print(by_cpu, flush=True)
         if args.out:
-            (args.out / f"{name}.txt").write_text(by_dev + "\n" + by_cpu)
+            write_text(args.out / f"{name}.txt", by_dev + "\n" + by_cpu)
     if args.out:
-        (args.out / "profile.json").write_text(json.dumps(report, indent=2))
+        write_text(args.out / "profile.json", json.dumps(report, indent=2))
     return 0
 
 

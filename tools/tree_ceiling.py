@@ -169,10 +169,9 @@ def sub_chain_nodes(gamma: int, k: int, levels: int) -> int:
 
 
 def write_json(path: Path, table: dict) -> None:
-    from tts_specdec.speech.atomic import atomic_file
+    from tts_specdec.speech.atomic import write_text
 
-    with atomic_file(path, "w", encoding="utf-8") as file:
-        file.write(json.dumps(table, indent=1) + "\n")
+    write_text(path, json.dumps(table, indent=1) + "\n")
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from benchmark import default_model, machine_info, tool_parser  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 from tts_specdec.backends.base import Backend  # noqa: E402
+from tts_specdec.speech.atomic import write_text  # noqa: E402
 
 MODES = {"gamma 4 sampling": dict(gamma=4, temperature=1.0), "gamma 4 greedy": dict(gamma=4, temperature=0.0),
          "auto sampling": dict(gamma="auto", temperature=1.0), "auto greedy": dict(gamma="auto", temperature=0.0)}
@@ -83,7 +84,7 @@ def main() -> None:
                                  "fused_over_stepped": round(fused / stepped, 3), "per_pass": per_pass}
         print(f"{name:18s} fused {fused:8.1f}  stepped {stepped:8.1f} tokens/s  {fused / stepped:.3f}x  (passes {per_pass})")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_text(args.json, json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

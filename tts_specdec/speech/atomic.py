@@ -40,6 +40,12 @@ def atomic_file(path: str | Path, mode: str = "wb", encoding: str | None = None)
         raise
 
 
+def write_text(path: str | Path, text: str) -> None:
+    """`text` (UTF-8) at `path`, atomically (`atomic_file`): a reader never sees half a file."""
+    with atomic_file(path, "w", encoding="utf-8") as file:
+        file.write(text)
+
+
 def remove_partials(folder: str | Path) -> int:
     """Delete temporary files a killed writer left in `folder`; returns how many."""
     removed = 0
