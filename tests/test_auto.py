@@ -688,6 +688,18 @@ def test_depths_give_the_tokens_of_each_gamma():
     assert depths.reached[auto.AFTER_REJECT][1] == pytest.approx(depths.passed[auto.AFTER_REJECT][1])
 
 
+def test_a_depth_no_cycle_reached_takes_the_acceptance_of_the_depth_before():
+    """Cycles of 2 drafts, every draft accepted: depths 1 and 2 are judged (~1.0), depths 3 and on never.
+    They take depth 2's estimate as their prior, not PRIOR_ALPHA: drafting 4 is expected to yield nearly
+    5 tokens (at PRIOR_ALPHA from depth 3 on it would be 1 + 1 + 1 + 0.8 + 0.64 = 4.44)."""
+    depths = auto.Depths()
+    for _ in range(400):
+        depths.observe([2, 2], [2, 2], [True, True])
+    tokens = depths.expected(4)
+    assert tokens[1] == pytest.approx(3.0, abs=0.02)
+    assert tokens[3] == pytest.approx(5.0, abs=0.05) and tokens[3] > 4.9
+
+
 def test_a_policy_tells_each_rows_start_from_how_its_last_cycle_ended():
     """The depths learn by start only where the start is known: from the cycle before while the rows stay
     the same (in order), not in a call's first cycle, after rows ended, or after plain steps."""
@@ -790,28 +802,39 @@ def test_several_rows_decode_plainly_where_plain_steps_beat_the_fitted_gamma():
 
 
 def test_several_rows_speculate_where_the_fitted_gamma_ran_faster_than_plain_steps():
-    """The line picks the gamma; the timed runs of the fitted gamma and of plain steps pick between them.
-    A line through cycles of 1 + 0.2 gamma + 0.05 x 8 (gamma + 1) s at the prior's acceptance predicts
-    its gamma at over 0.12 s a token, plain steps ran at 0.08; the fitted gamma's own runs took 0.05 (its
-    cycles emitted more than the depths expected): it drafts. Once its runs turn slower than plain
-    steps', plain steps run."""
+    """The line picks the gamma; plain steps' timed runs and the fitted gamma's cost pick between them. The
+    fitted gamma's cost, where MEASURED_CYCLES of its cycles ran at these rows, is their median over the
+    tokens the depths give (here the prior's): 1 + 0.2 gamma + 0.05 x 8 (gamma + 1) s for 8 x E[gamma]
+    tokens, over 0.12 s a token. It drafts where plain steps ran at 0.2 s a token, however slow its own
+    first timed runs were (0.25: a few slow first runs no longer keep it from running); plain steps run
+    once theirs take 0.08. With fewer rows than the cycles were timed at (7: no cycles of its own), the
+    fitted gamma's timed runs decide, as plain steps' do."""
     tables: dict[int, Arms] = {}
     table = tables[8] = Arms(auto.EXPLORE_CYCLES)
     for _ in range(auto.LINE_WINDOW):
         for gamma in (2, 3, 5, 10):
             table.line.add(8, gamma, 1.0 + 0.2 * gamma + 0.05 * 8 * (gamma + 1))
     for _ in range(auto.EXPLORE_CYCLES):
-        table.add(auto.FITTED, 2.0, 40, rows=8)
-    for _ in range(auto.EXPLORE_CYCLES):
-        table.add(PLAIN, 0.08 * 256, 256, rows=8)
+        table.add(auto.FITTED, 10.0, 40, rows=8)
+        table.add(PLAIN, 0.2 * 256, 256, rows=8)
     policy = SamplingPolicy(FLAT, tables, clock=still)
-    a, b, c = table.line.fit()
     gamma = policy._fitted(table, 8)
-    assert gamma >= 1 and (a + b * gamma + c * 8 * (gamma + 1)) / (8 * table.depths.expected(gamma)[-1]) > 0.12
-    assert policy._fitted_or_plain(table, 8) == auto.FITTED
-    for _ in range(20):  # its runs turn slow: ~0.18 s a token
+    measured = table.line.measured(8, gamma)
+    assert measured is not None and 0.12 < measured / (8 * table.depths.expected(gamma)[-1]) < 0.2
+    assert policy._fitted_or_plain(table, 8, gamma) == auto.FITTED
+    for _ in range(200):  # plain steps turn fast: 0.08 s a token
+        table.add(PLAIN, 0.08 * 256, 256, rows=8)
+    table.add(auto.FITTED, 10.0, 40, rows=8)  # a revisit: not due for one now
+    assert policy._fitted_or_plain(table, 8, gamma) == PLAIN
+    # at 7 rows no shape was timed: the timed runs decide (per token at 7 rows, as a step's time at 8)
+    assert table.line.measured(7, gamma) is None
+    for _ in range(200):  # the fitted gamma's runs turn fast: 0.05 s a token
+        table.add(auto.FITTED, 2.0, 40, rows=8)
+    assert policy._fitted_or_plain(table, 7, gamma) == auto.FITTED
+    for _ in range(400):  # and slow again: 0.2 s a token
         table.add(auto.FITTED, 8.0, 40, rows=8)
-    assert policy._fitted_or_plain(table, 8) == PLAIN
+    table.add(PLAIN, 0.08 * 256, 256, rows=8)  # a revisit: not due for one now
+    assert policy._fitted_or_plain(table, 7, gamma) == PLAIN
 
 
 def plain_caps(costs: CostModel, fastest: str, cycles: int = 400) -> list[int | None]:

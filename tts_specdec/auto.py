@@ -117,6 +117,11 @@ LINE_SPREAD = 2.0
 LINE_APART = 0.05
 # the cycles of each (rows, gamma) the line keeps, of which it takes the median (`Line`)
 LINE_WINDOW = 16
+# a (rows, gamma) shape with this many cycles in the line's window is priced by their median, not by the
+# line (`SamplingPolicy._fitted`, `_fitted_or_plain`): at 8 rows on the shipped model (greedy) the line
+# priced gamma 2 and 3 9-12% below their cycles and gamma 4 and 5 1-3% below, and auto drafted 2-3 where 4
+# and 5 ran 8-18% faster. Four: the median of four already drops an interrupted cycle
+MEASURED_CYCLES = 4
 # every DITHER-th fitted choice drafts one more, every DITHER-th (half a turn later) one fewer: the line
 # keeps points on both sides of its choice, where the rate curve is flat (at 8 rows on the shipped model,
 # gammas 4-6 within 1%), so they cost little, and a slow change of the costs moves the choice
@@ -260,6 +265,12 @@ class Line:
         self._count(rows, gamma, len(window))
         self._fit = False
 
+    def measured(self, rows: int, gamma: int) -> float | None:
+        """The median seconds of the latest cycles of `rows` rows drafting `gamma`, where MEASURED_CYCLES
+        or more ran; else None."""
+        window = self.cycles.get((rows, gamma))
+        return self._medians[rows, gamma] if window is not None and len(window) >= MEASURED_CYCLES else None
+
     def _count(self, rows: int, gamma: int, weight: int) -> None:
         """Adds the shape's median `weight` times to the sums (a negative weight takes it out)."""
         g, x, t = float(gamma), float(rows * (gamma + 1)), self._medians[rows, gamma]
@@ -341,15 +352,22 @@ class Depths:
     def expected(self, most: int) -> list[float]:
         """[g - 1]: tokens a row emits per cycle of g drafts, g = 1..most (at most the depths kept), where
         every cycle drafts g: from each start, 1 plus, for each depth k <= g, the chance that its first k
-        drafts were all accepted (each depth with PRIOR_WEIGHT drafts at PRIOR_ALPHA), mixed by the share of
-        cycles that start after an all-accepted one when every cycle drafts g (the stationary share of the
-        two-state chain: a cycle from start s accepts all with chance all_s(g))."""
+        drafts were all accepted, mixed by the share of cycles that start after an all-accepted one when
+        every cycle drafts g (the stationary share of the two-state chain: a cycle from start s accepts all
+        with chance all_s(g)). Each depth counts PRIOR_WEIGHT drafts at a prior: PRIOR_ALPHA for the first,
+        the estimate of the depth before it for the others. Acceptance runs in stretches, so a draft after
+        k accepted ones is accepted about as often as the one before it (greedy, shipped model, batch 8:
+        0.89, 0.91, 0.90, 0.93, 0.91 at depths 1-5); a depth past the gammas that ran sat at PRIOR_ALPHA,
+        below what the head does there, so the line's gamma stayed short of it (at 8 rows E[4], E[5] came to
+        3.77, 4.10 tokens where gamma 4 and 5 emitted 4.10, 4.72 a row-cycle) and it was never judged."""
         out = []
         runs = [1.0, 1.0]
         tokens = [1.0, 1.0]
+        prior = [PRIOR_ALPHA, PRIOR_ALPHA]
         for k in range(min(most, len(self.reached[0]))):
             for s in (AFTER_REJECT, AFTER_ALL):
-                runs[s] *= (self.passed[s][k] + PRIOR_WEIGHT * PRIOR_ALPHA) / (self.reached[s][k] + PRIOR_WEIGHT)
+                prior[s] = (self.passed[s][k] + PRIOR_WEIGHT * prior[s]) / (self.reached[s][k] + PRIOR_WEIGHT)
+                runs[s] *= prior[s]
                 tokens[s] += runs[s]
             leave_all = 1.0 - runs[AFTER_ALL] + runs[AFTER_REJECT]
             share = runs[AFTER_REJECT] / leave_all if leave_all > 0 else 1.0
@@ -561,7 +579,7 @@ class SamplingPolicy:
         else:
             arms = (PLAIN,)
         if fitted:
-            arm = self._fitted_or_plain(table, rows)
+            arm = self._fitted_or_plain(table, rows, fitted)
         else:
             arm = table.pick(arms, self._worth_exploring(cls, arms)) if len(arms) > 1 else PLAIN
         self.plain_steps = None
@@ -578,14 +596,19 @@ class SamplingPolicy:
             run.answer, run.until = answer, now + self.hold_seconds
         return answer
 
-    def _fitted_or_plain(self, table: Arms, rows: int) -> str:
-        """FITTED or PLAIN for `rows` rows: each is explored EXPLORE_CYCLES times (the fitted gamma's cycles
-        add to the line, which may rest on few cycles yet), then each runs when due for a revisit
-        (`Arms.due`), else the faster by their timed runs. The line picks the gamma, where the gammas
-        around the best lie within a few percent of each other, so its errors cost little; against plain
-        steps its prediction erred by more: on the shipped model at 4 rows, 2 threads, it put the fitted
-        gamma 5-15% above its timed runs (the line's cost at gamma 0, the depths' tokens), and auto
-        decoded plainly for up to 30-70 runs of a pass where the fitted gamma ran 1.1-1.2x of plain."""
+    def _fitted_or_plain(self, table: Arms, rows: int, gamma: int) -> str:
+        """FITTED (drafting `gamma`) or PLAIN for `rows` rows: each is explored EXPLORE_CYCLES times (the
+        fitted gamma's cycles add to the line, which may rest on few cycles yet), then each runs when due
+        for a revisit (`Arms.due`), else the faster. Plain steps are priced by their timed runs; the
+        fitted gamma by its own cycles where MEASURED_CYCLES of them at these rows ran (the median of
+        their seconds over the tokens the acceptance by depth gives), else by its timed runs. The line's
+        prediction erred against plain steps by more than among gammas (on the shipped model at 4 rows, 2
+        threads, it put the fitted gamma 5-15% above its timed runs, and auto decoded plainly for up to
+        30-70 runs of a pass where the fitted gamma ran 1.1-1.2x of plain), so it does not decide here.
+        Timed runs of the fitted arm swing with their acceptance (a cycle emits 1 to gamma + 1 tokens a
+        row) and mix gammas, and a losing arm runs rarely, so a few slow first runs decided for long: at 8
+        rows, greedy, the fitted gamma ran 1.1-1.2x of plain steps, and in some processes auto took plain
+        steps for most of a pass (0.81-0.86x of gamma 5 in 3 of 10 fresh processes)."""
         least = min((FITTED, PLAIN), key=lambda arm: table.runs.get(arm, 0))
         if table.runs.get(least, 0) < table.explore:
             return least
@@ -593,7 +616,11 @@ class SamplingPolicy:
         # of the class, so its seconds per token grow as rows end (at 8 rows on the shipped model plain
         # runs timed at 8 rows made them look faster than gamma 4 at 5-6 rows, where they were 1.3x slower)
         plain = table.rate(PLAIN)[0] * table.rows(PLAIN) / rows
-        fitted = table.rate(FITTED)[0] * table.rows(FITTED) / rows  # the same way
+        seconds = table.line.measured(rows, gamma)
+        if seconds is not None:
+            fitted = seconds / (rows * table.depths.expected(gamma)[-1])
+        else:
+            fitted = table.rate(FITTED)[0] * table.rows(FITTED) / rows  # as plain's
         best = FITTED if fitted < plain else PLAIN
         ran = [arm for arm in (FITTED, PLAIN) if arm in table.sums]
         return table.due((FITTED, PLAIN), ran, best) or best
@@ -609,7 +636,10 @@ class SamplingPolicy:
         best, best_cost = 0, math.inf
         tokens = table.depths.expected(self.max_gamma)
         for gamma, expected in enumerate(tokens, 1):
-            cost = (a + b * gamma + c * rows * (gamma + 1)) / (rows * expected)  # seconds per token
+            seconds = table.line.measured(rows, gamma)
+            if seconds is None:  # not run enough at these rows: the line's
+                seconds = a + b * gamma + c * rows * (gamma + 1)
+            cost = seconds / (rows * expected)  # seconds per token
             if cost < best_cost:
                 best, best_cost = gamma, cost
         table.line.turn = (table.line.turn + 1) % DITHER
