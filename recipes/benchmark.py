@@ -24,7 +24,6 @@ GPU figures). A ceiling, not a measured speed.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -44,7 +43,7 @@ from tts_specdec.results import DecodeStats  # noqa: E402
 from tts_specdec.distill import distill_exit_head  # noqa: E402
 from tts_specdec.inputs import MAX_BEAM_SIZE, MAX_FIXED_GAMMA, default_draft_width  # noqa: E402
 from tts_specdec.speech import cli  # noqa: E402
-from tts_specdec.speech.atomic import write_text  # noqa: E402
+from tts_specdec.speech.atomic import write_json  # noqa: E402  (the tools import it from here too)
 
 
 @dataclass
@@ -352,11 +351,6 @@ def leviathan_bound(alpha: float, gamma: int, c: float, v: float = 1.0) -> float
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return tokens / (gamma * c + v)
-
-
-def write_json(path: Path, result: dict, indent: int = 1) -> None:
-    """`result` as JSON at `path`, written atomically (a reader never sees half a file)."""
-    write_text(path, json.dumps(result, indent=indent) + "\n")
 
 
 def machine_info(device: str) -> dict:

@@ -12,7 +12,6 @@ The ceiling row does the same for the references' own units put through the voco
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from tts_specdec.speech.pipeline import DEFAULT_COND_SCALE
 from tts_specdec.speech.evaluation import run_mode, vocoder_ceiling
 from tts_specdec.speech.references import heldout_sentences, reference_wavs
 from tts_specdec.speech.report import markdown_table
-from tts_specdec.speech.atomic import write_text
+from tts_specdec.speech.atomic import write_json
 
 
 def main() -> None:
@@ -64,7 +63,7 @@ def main() -> None:
                             "duration_ratios": r.quality.duration_ratios} for r in results}
         figures["vocoder_ceiling"] = {"content_id_accuracy": ceiling.content_id_accuracy,
                                       "duration_pass_rate": ceiling.duration_pass_rate}
-        write_text(args.json, json.dumps(figures, indent=2) + "\n")
+        write_json(args.json, figures, indent=2)
 
 
 if __name__ == "__main__":

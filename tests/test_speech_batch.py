@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tts_specdec.speech import batch
-from tts_specdec.speech.atomic import atomic_file, remove_partials, write_text
+from tts_specdec.speech.atomic import atomic_file, remove_partials, write_json, write_text
 from tts_specdec.speech.audio import wav_samples, write_wav
 from tts_specdec.speech.batch import Line, Settings, read_lines
 from tts_specdec.speech.manifest import (BLANK, ERROR, OK, Entry, append_entries, is_done, latest_entries,
@@ -100,6 +100,8 @@ def test_write_text_replaces_the_file_whole(tmp_path):
     write_text(target, "{\"é\": 1}\n")
     assert target.read_text(encoding="utf-8") == "{\"é\": 1}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figures.json"]
+    write_json(target, {"tokens/s": [1.5]})
+    assert target.read_text(encoding="utf-8") == '{\n "tokens/s": [\n  1.5\n ]\n}\n'
 
 
 def write_lines(path, lines):

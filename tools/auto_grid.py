@@ -22,7 +22,6 @@ under auto and the fixed setting: a cell where they do not is reported and the t
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 from tts_specdec.results import DecodeStats  # noqa: E402
-from tts_specdec.speech.atomic import write_text  # noqa: E402
+from tts_specdec.speech.atomic import write_json  # noqa: E402
 
 MODELS = {"shipped": None, "width512": (512, 8)}  # widen(dim, heads) of the shipped checkpoint
 FAMILIES = ("sample", "greedy", "beam")
@@ -240,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(cells))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        write_text(args.json, json.dumps({"machine": machine(), "sentences": args.sentences, "reps": args.reps,
-                                         "beam_size": BEAM_SIZE, "fixed_gamma": FIXED_GAMMA,
-                                         "beam_gamma": BEAM_GAMMA, "cells": cells}, indent=1))
+        write_json(args.json, {"machine": machine(), "sentences": args.sentences, "reps": args.reps,
+                               "beam_size": BEAM_SIZE, "fixed_gamma": FIXED_GAMMA, "beam_gamma": BEAM_GAMMA,
+                               "cells": cells})
     return 0 if all(c["same_tokens"] in (True, None) for c in cells) else 1
 
 

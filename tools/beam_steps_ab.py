@@ -13,7 +13,6 @@ Tokens must equal the fused beam search's in every call (the tool stops otherwis
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,11 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmark import default_model, machine_info, tool_parser  # noqa: E402
+from benchmark import default_model, machine_info, tool_parser, write_json  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 from tts_specdec.backends.base import Backend  # noqa: E402
-from tts_specdec.speech.atomic import write_text  # noqa: E402
 
 
 def main() -> None:
@@ -88,7 +86,7 @@ def main() -> None:
     for name, r in rate.items():
         print(f"{name:30s} {r:8.1f} tokens/s  {r / rate['beam']:.3f}x of beam")
     if args.json:
-        write_text(args.json, json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

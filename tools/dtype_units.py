@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 from tts_specdec import SpeculativeDecoder
 from tts_specdec.speech import load_default, load_speech_model
-from tts_specdec.speech.atomic import write_text
+from tts_specdec.speech.atomic import write_json
 from tts_specdec.speech.pipeline import default_max_length
 from tts_specdec.speech.references import heldout_sentences
 
@@ -47,7 +46,7 @@ def main() -> None:
     if args.json:
         out = {"command": " ".join(["tools/dtype_units.py", *sys.argv[1:]]), "sentences": args.n,
                "identical_sentences": same, "equal_units": equal, "units": total}
-        write_text(args.json, json.dumps(out, indent=1) + "\n")
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

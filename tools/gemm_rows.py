@@ -13,7 +13,6 @@ pass (the stream) and its arithmetic at that rate, however well the two overlap.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 
 from tts_specdec import kernels
 from tts_specdec.kernels import Packed
-from tts_specdec.speech.atomic import write_text
+from tts_specdec.speech.atomic import write_json
 
 ROWS = (1, 2, 4, 5, 6, 8, 9, 12, 16, 20, 24, 32)
 
@@ -75,7 +74,7 @@ def main() -> None:
                "rows": {str(r): {"ms": median[r] * 1e3, "x_one_row": median[r] / median[1],
                                  "in_cache_gflops": in_cache[r], "arithmetic_x_one_row": own[r],
                                  "floor_x_one_row": floor[r]} for r in ROWS}}
-        write_text(args.json, json.dumps(out, indent=1) + "\n")
+        write_json(args.json, out)
 
 
 def _in_cache_gflops(store: str, reps: int) -> dict[int, float]:

@@ -14,7 +14,6 @@ and host time. With --out DIR the profiler tables and a JSON of the figures are 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tts_specdec import SpeculativeDecoder, speculative  # noqa: E402
 from tts_specdec.speech import load_default  # noqa: E402
-from tts_specdec.speech.atomic import write_text  # noqa: E402
+from tts_specdec.speech.atomic import write_json, write_text  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank."
 MODES = {
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== {name}: {fig['tokens_per_s']:.1f} tokens/s ({tokens} tokens in {args.reps * len(texts)} decodes, first call "
               f"{warm:.1f} s{', alpha %.2f' % fig['alpha'] if judged else ''})", flush=True)
         if args.out:  # after every mode: a run stopped at its time limit keeps what it measured
-            write_text(args.out / "profile.json", json.dumps(report, indent=2))
+            write_json(args.out / "profile.json", report, indent=2)
     # profiled after every mode is timed: on an H200 (2026-11-29) modes timed after a profiled decode ran
     # 20-30% slower than the same modes in a process that profiled nothing
     for name in args.modes if args.profile else ():
@@ -175,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             write_text(args.out / f"{name}.txt", by_dev + "\n" + by_cpu)
     if args.out:
-        write_text(args.out / "profile.json", json.dumps(report, indent=2))
+        write_json(args.out / "profile.json", report, indent=2)
     return 0
 
 

@@ -31,7 +31,6 @@ it yields more than the chain of the same node count.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -166,12 +165,6 @@ def sub_chain_nodes(gamma: int, k: int, levels: int) -> int:
         for depth in range(1, gamma + 1):
             nodes += (k - 1) * (1 + sub_chain_nodes(gamma - depth, k, levels - 1))
     return nodes
-
-
-def write_json(path: Path, table: dict) -> None:
-    from tts_specdec.speech.atomic import write_text
-
-    write_text(path, json.dumps(table, indent=1) + "\n")
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ follow the clock, so only its greedy tokens are checked there (they are plain gr
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -25,11 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmark import default_model, machine_info, tool_parser  # noqa: E402
+from benchmark import default_model, machine_info, tool_parser, write_json  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder  # noqa: E402
 from tts_specdec.backends.base import Backend  # noqa: E402
-from tts_specdec.speech.atomic import write_text  # noqa: E402
 
 MODES = {"gamma 4 sampling": dict(gamma=4, temperature=1.0), "gamma 4 greedy": dict(gamma=4, temperature=0.0),
          "auto sampling": dict(gamma="auto", temperature=1.0), "auto greedy": dict(gamma="auto", temperature=0.0)}
@@ -84,7 +82,7 @@ def main() -> None:
                                  "fused_over_stepped": round(fused / stepped, 3), "per_pass": per_pass}
         print(f"{name:18s} fused {fused:8.1f}  stepped {stepped:8.1f} tokens/s  {fused / stepped:.3f}x  (passes {per_pass})")
     if args.json:
-        write_text(args.json, json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -44,6 +45,11 @@ def write_text(path: str | Path, text: str) -> None:
     """`text` (UTF-8) at `path`, atomically (`atomic_file`): a reader never sees half a file."""
     with atomic_file(path, "w", encoding="utf-8") as file:
         file.write(text)
+
+
+def write_json(path: str | Path, value: object, indent: int = 1) -> None:
+    """`value` as JSON at `path`, atomically (`write_text`): what the tools and recipes write results with."""
+    write_text(path, json.dumps(value, indent=indent) + "\n")
 
 
 def remove_partials(folder: str | Path) -> int:
