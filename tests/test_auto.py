@@ -818,23 +818,24 @@ def test_several_rows_speculate_where_the_fitted_gamma_ran_faster_than_plain_ste
         table.add(auto.FITTED, 10.0, 40, rows=8)
         table.add(PLAIN, 0.2 * 256, 256, rows=8)
     policy = SamplingPolicy(FLAT, tables, clock=still)
-    gamma = policy._fitted(table, 8)
+    gamma, cost = policy._fitted(table, 8)
     measured = table.line.measured(8, gamma)
-    assert measured is not None and 0.12 < measured / (8 * table.depths.expected(gamma)[-1]) < 0.2
-    assert policy._fitted_or_plain(table, 8, gamma) == auto.FITTED
+    assert measured is not None and cost == measured / (8 * table.depths.expected(gamma)[-1])
+    assert 0.12 < cost < 0.2
+    assert policy._fitted_or_plain(table, 8, cost) == auto.FITTED
     for _ in range(200):  # plain steps turn fast: 0.08 s a token
         table.add(PLAIN, 0.08 * 256, 256, rows=8)
     table.add(auto.FITTED, 10.0, 40, rows=8)  # a revisit: not due for one now
-    assert policy._fitted_or_plain(table, 8, gamma) == PLAIN
+    assert policy._fitted_or_plain(table, 8, cost) == PLAIN
     # at 7 rows no shape was timed: the timed runs decide (per token at 7 rows, as a step's time at 8)
-    assert table.line.measured(7, gamma) is None
+    assert policy._fitted(table, 7)[1] is None
     for _ in range(200):  # the fitted gamma's runs turn fast: 0.05 s a token
         table.add(auto.FITTED, 2.0, 40, rows=8)
-    assert policy._fitted_or_plain(table, 7, gamma) == auto.FITTED
+    assert policy._fitted_or_plain(table, 7, None) == auto.FITTED
     for _ in range(400):  # and slow again: 0.2 s a token
         table.add(auto.FITTED, 8.0, 40, rows=8)
     table.add(PLAIN, 0.08 * 256, 256, rows=8)  # a revisit: not due for one now
-    assert policy._fitted_or_plain(table, 7, gamma) == PLAIN
+    assert policy._fitted_or_plain(table, 7, None) == PLAIN
 
 
 def plain_caps(costs: CostModel, fastest: str, cycles: int = 400) -> list[int | None]:

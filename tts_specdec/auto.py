@@ -563,11 +563,11 @@ class SamplingPolicy:
         if table is None:  # made only when missing: a table's seeded generator costs ~30 us, a cycle ~2 ms
             table = self.tables[cls] = Arms(EXPLORE_CYCLES)
         gamma = self._choose(self.alpha) if self.pays else 0
-        fitted = 0
+        fitted, fitted_cost = 0, None
         if gamma:
             arms = self.arms_at(rows, gamma)
             if SHORT in arms:
-                fitted = self._fitted(table, rows)
+                fitted, fitted_cost = self._fitted(table, rows)
                 if fitted:  # the line replaces the model's gamma, its fractions and draft stops
                     arms = (FITTED, PLAIN)
         elif self.pays and self.stops is not None and (self.alpha >= PRIOR_ALPHA or self._judged < 1.0):
@@ -579,7 +579,7 @@ class SamplingPolicy:
         else:
             arms = (PLAIN,)
         if fitted:
-            arm = self._fitted_or_plain(table, rows, fitted)
+            arm = self._fitted_or_plain(table, rows, fitted_cost)
         else:
             arm = table.pick(arms, self._worth_exploring(cls, arms)) if len(arms) > 1 else PLAIN
         self.plain_steps = None
@@ -596,12 +596,12 @@ class SamplingPolicy:
             run.answer, run.until = answer, now + self.hold_seconds
         return answer
 
-    def _fitted_or_plain(self, table: Arms, rows: int, gamma: int) -> str:
-        """FITTED (drafting `gamma`) or PLAIN for `rows` rows: each is explored EXPLORE_CYCLES times (the
-        fitted gamma's cycles add to the line, which may rest on few cycles yet), then each runs when due
-        for a revisit (`Arms.due`), else the faster. Plain steps are priced by their timed runs; the
-        fitted gamma by its own cycles where MEASURED_CYCLES of them at these rows ran (the median of
-        their seconds over the tokens the acceptance by depth gives), else by its timed runs. The line's
+    def _fitted_or_plain(self, table: Arms, rows: int, cost: float | None) -> str:
+        """FITTED or PLAIN for `rows` rows: each is explored EXPLORE_CYCLES times (the fitted gamma's cycles
+        add to the line, which may rest on few cycles yet), then each runs when due for a revisit
+        (`Arms.due`), else the faster. Plain steps are priced by their timed runs; the fitted gamma by
+        `cost`, its seconds per token from its own cycles at these rows (`_fitted`), where it has one,
+        else by its timed runs. The line's
         prediction erred against plain steps by more than among gammas (on the shipped model at 4 rows, 2
         threads, it put the fitted gamma 5-15% above its timed runs, and auto decoded plainly for up to
         30-70 runs of a pass where the fitted gamma ran 1.1-1.2x of plain), so it does not decide here.
@@ -616,38 +616,35 @@ class SamplingPolicy:
         # of the class, so its seconds per token grow as rows end (at 8 rows on the shipped model plain
         # runs timed at 8 rows made them look faster than gamma 4 at 5-6 rows, where they were 1.3x slower)
         plain = table.rate(PLAIN)[0] * table.rows(PLAIN) / rows
-        seconds = table.line.measured(rows, gamma)
-        if seconds is not None:
-            fitted = seconds / (rows * table.depths.expected(gamma)[-1])
-        else:
-            fitted = table.rate(FITTED)[0] * table.rows(FITTED) / rows  # as plain's
+        fitted = cost if cost is not None else table.rate(FITTED)[0] * table.rows(FITTED) / rows  # as plain's
         best = FITTED if fitted < plain else PLAIN
         ran = [arm for arm in (FITTED, PLAIN) if arm in table.sums]
         return table.due((FITTED, PLAIN), ran, best) or best
 
-    def _fitted(self, table: Arms, rows: int) -> int:
-        """The gamma with the most expected tokens per second for `rows` rows by the row class's line and
-        the acceptance by depth; 0 while the line is not known. Every DITHER-th choice drafts one more, every
-        other DITHER-th one fewer."""
+    def _fitted(self, table: Arms, rows: int) -> tuple[int, float | None]:
+        """(gamma, its seconds per token from its own cycles at `rows` rows, or None where the line priced
+        it): the gamma with the most expected tokens per second for `rows` rows by the row class's cycles
+        (`Line.measured`, else the line) and the acceptance by depth; (0, None) while the line is not known.
+        Every DITHER-th choice drafts one more, every other DITHER-th one fewer."""
         fit = table.line.fit()
         if fit is None:
-            return 0
+            return 0, None
         a, b, c = fit
-        best, best_cost = 0, math.inf
-        tokens = table.depths.expected(self.max_gamma)
-        for gamma, expected in enumerate(tokens, 1):
+        priced = []  # [gamma - 1]: (seconds per token, from its own cycles)
+        for gamma, expected in enumerate(table.depths.expected(self.max_gamma), 1):
             seconds = table.line.measured(rows, gamma)
-            if seconds is None:  # not run enough at these rows: the line's
+            own = seconds is not None
+            if not own:  # not run enough at these rows: the line's
                 seconds = a + b * gamma + c * rows * (gamma + 1)
-            cost = seconds / (rows * expected)  # seconds per token
-            if cost < best_cost:
-                best, best_cost = gamma, cost
+            priced.append((seconds / (rows * expected), own))
+        best = 1 + min(range(len(priced)), key=lambda i: priced[i][0])  # ties keep the shorter draft
         table.line.turn = (table.line.turn + 1) % DITHER
         if table.line.turn == 0:
-            best = min(best + 1, len(tokens))
+            best = min(best + 1, len(priced))
         elif table.line.turn == DITHER // 2:
             best = max(best - 1, 1)
-        return best
+        cost, own = priced[best - 1]
+        return best, cost if own else None
 
     def arms_at(self, rows: int, gamma: int) -> tuple[str, ...]:
         """The arms for a cycle of `rows` running rows whose cost model gives `gamma`: with several rows on
