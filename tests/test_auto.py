@@ -700,29 +700,6 @@ def test_a_depth_no_cycle_reached_takes_the_acceptance_of_the_depth_before():
     assert tokens[3] == pytest.approx(5.0, abs=0.05) and tokens[3] > 4.9
 
 
-def test_a_depth_keeps_its_drafts_while_shorter_cycles_run():
-    """Cycles of 6 drafts judge every depth (depth 1 accepted half the time, depths 2-6 always); then
-    thousands of 1-draft cycles judge depth 1 only. Each depth fades by its own judged drafts, so depths
-    2-6 keep what they saw: drafting 6 still yields 1 + 6 x 0.5 = 4 tokens a cycle. Faded by every judged
-    draft, their sums would vanish and each take depth 1's 0.5 as its prior (about 2 tokens)."""
-    depths = auto.Depths()
-    for _ in range(200):
-        depths.observe([0, 6], [6, 6], [False, False])
-    for _ in range(3000):
-        depths.observe([0, 1], [1, 1], [False, False])
-    assert depths.expected(6)[5] == pytest.approx(4.0, abs=0.1)
-
-
-def test_every_row_class_shares_one_acceptance_by_depth():
-    """The acceptance by depth is the head's on the text, not the row count's: a row class's table made
-    after another's learns into the same `Depths` (a batch's tail of 1-3 rows judges few drafts of its own)."""
-    table = Arms(auto.EXPLORE_CYCLES)
-    tables = {4: table}
-    policy = SamplingPolicy(SHIPPED, tables, clock=still)
-    policy.next(2)
-    assert tables[2].depths is table.depths
-
-
 def test_a_policy_tells_each_rows_start_from_how_its_last_cycle_ended():
     """The depths learn by start only where the start is known: from the cycle before while the rows stay
     the same (in order), not in a call's first cycle, after rows ended, or after plain steps."""

@@ -133,11 +133,7 @@ DITHER = 16
 # Where cycles take 15-20 ms (width 512) every first or second one decides; runs exploring an arm
 # (EXPLORE_CYCLES) stay one cycle each
 HOLD_SECONDS = 0.02
-# drafts judged at a depth (and start): the acceptance by depth follows the session slowly. Faded by every
-# judged draft instead, a depth past the fitted gamma kept a few drafts (at batch 4, sampling, the shipped
-# model: 6-10 at depth 4 and more, after 300 cycles), and its noise priced gamma 4 at 3.06 tokens a
-# row-cycle where it emitted 3.8-3.9
-DEPTH_HALF_LIFE = 256.0
+DEPTH_HALF_LIFE = 256.0  # judged drafts: a row class's acceptance by depth follows the session slowly
 AFTER_REJECT, AFTER_ALL = 0, 1  # how a row's previous cycle ended (`Depths`)
 
 
@@ -319,17 +315,16 @@ class Line:
 class Depths:
     """Drafts judged and accepted at each draft depth k (index k - 1) of cycles whose row starts after a
     cycle that accepted all its drafts (`AFTER_ALL`) or after one that rejected a draft (`AFTER_REJECT`),
-    over sums that fade by half every DEPTH_HALF_LIFE drafts judged at that start and depth: the chance
-    that a row's k-th draft is accepted once the k - 1 before it were. Acceptance runs in stretches, so it
-    differs from depth to depth and a gamma's tokens (`expected`) are not alpha's (Leviathan et al.'s
-    formula). And it differs by how the row's last cycle ended: on the shipped model at 4 rows (greedy, 2
-    threads) the first draft after a rejection was accepted 77-79% of the time, after an all-accepted cycle
-    94%. A longer gamma ends more cycles in a rejection, so depths pooled over one gamma's cycles
-    undercount a shorter gamma's tokens (auto's own cycles at gamma 6-7 made gamma 4 look 16% poorer than
-    its own cycles showed, and auto drafted 7 where 4 ran 1.18x of plain). Kept across calls and shared by
-    every row class's timings (`SamplingPolicy`): a call starts with what earlier calls judged, not with
-    the prior (at the prior, plain decoding looked faster at 4-8 rows, and its runs judge nothing), and a
-    batch's tail of a few rows with what its fuller cycles judged."""
+    over sums that fade by half every DEPTH_HALF_LIFE judged drafts: the chance that a row's k-th draft
+    is accepted once the k - 1 before it were. Acceptance runs in stretches, so it differs from depth to
+    depth and a gamma's tokens (`expected`) are not alpha's (Leviathan et al.'s formula). And it differs by
+    how the row's last cycle ended: on the shipped model at 4 rows (greedy, 2 threads) the first draft after
+    a rejection was accepted 77-79% of the time, after an all-accepted cycle 94%. A longer gamma ends
+    more cycles in a rejection, so depths pooled over one gamma's cycles undercount a shorter gamma's
+    tokens (auto's own cycles at gamma 6-7 made gamma 4 look 16% poorer than its own cycles showed, and
+    auto drafted 7 where 4 ran 1.18x of plain). Kept across calls with a row class's timings: a call
+    starts with what earlier calls judged, not with the prior (at the prior, plain decoding looked faster
+    at 4-8 rows, and its runs judge nothing)."""
 
     def __init__(self, depths: int = MAX_GAMMA) -> None:
         # [AFTER_REJECT, AFTER_ALL][k]
@@ -340,22 +335,19 @@ class Depths:
         """A cycle's accepted and proposed drafts per row, and whether each row's previous cycle accepted
         all its drafts (None: not known, e.g. the call's first cycle or after plain steps; not counted).
         A row judged its drafts up to its first rejection."""
+        judged = sum(a + (a < n) for a, n, s in zip(accepted, proposed, after_all) if s is not None)
+        keep = 0.5 ** (judged / DEPTH_HALF_LIFE)
+        for sums in (*self.reached, *self.passed):
+            sums[:] = [keep * v for v in sums]
         depths = len(self.reached[0])
-        judged = [[0] * depths, [0] * depths]  # this cycle's drafts judged and passed by start and depth
-        passed = [[0] * depths, [0] * depths]
         for a, n, s in zip(accepted, proposed, after_all):
             if s is None:
                 continue
             start = AFTER_ALL if s else AFTER_REJECT
             for k in range(min(a + (a < n), depths)):
-                judged[start][k] += 1
-                passed[start][k] += k < a
-        for start in (AFTER_REJECT, AFTER_ALL):
-            for k, count in enumerate(judged[start]):
-                if count:  # each depth fades by its own judged drafts: deep ones are judged rarely
-                    keep = 0.5 ** (count / DEPTH_HALF_LIFE)
-                    self.reached[start][k] = keep * self.reached[start][k] + count
-                    self.passed[start][k] = keep * self.passed[start][k] + passed[start][k]
+                self.reached[start][k] += 1.0
+            for k in range(min(a, depths)):
+                self.passed[start][k] += 1.0
 
     def expected(self, most: int) -> list[float]:
         """[g - 1]: tokens a row emits per cycle of g drafts, g = 1..most (at most the depths kept), where
@@ -389,9 +381,7 @@ class Arms:
     token and its variance), and the choice of the next arm from them (see EXPLORE_CYCLES, REVISIT).
     Kept across calls by `measure.Costs`, one per row class."""
 
-    def __init__(self, explore: int, depths: Depths | None = None) -> None:
-        """`depths`: the acceptance by draft depth, shared with the other row classes' tables (a new one
-        where None)."""
+    def __init__(self, explore: int) -> None:
         if explore < 1:
             raise ValueError(f"explore must be >= 1, got {explore}")
         self.explore = explore
@@ -403,7 +393,7 @@ class Arms:
         self._rates: dict[str, tuple[float, float]] = {}  # `rate` by arm until the next `add`
         self._rows: dict[str, list[float]] = {}  # arm -> fading sums of tokens x rows, tokens (`rows`)
         self.line = Line()  # the chain arms' cycle seconds by verified slots (`SamplingPolicy`)
-        self.depths = depths or Depths()  # acceptance by draft depth (`SamplingPolicy`: of every row class)
+        self.depths = Depths()  # acceptance by draft depth in the row class's cycles
         # its own generator: the draws move neither torch's nor the caller's random state
         self._draw = random.Random(0)
 
@@ -571,9 +561,7 @@ class SamplingPolicy:
         cls = row_class(rows)
         table = self.tables.get(cls)
         if table is None:  # made only when missing: a table's seeded generator costs ~30 us, a cycle ~2 ms
-            # one acceptance by depth for every row class: it is the head's on the text, not the rows'
-            depths = next(iter(self.tables.values())).depths if self.tables else None
-            table = self.tables[cls] = Arms(EXPLORE_CYCLES, depths)
+            table = self.tables[cls] = Arms(EXPLORE_CYCLES)
         gamma = self._choose(self.alpha) if self.pays else 0
         fitted, fitted_cost = 0, None
         if gamma:
