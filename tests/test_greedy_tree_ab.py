@@ -12,7 +12,7 @@ _spec.loader.exec_module(greedy_tree_ab)
 
 def test_trees_decode_greedy_tokens_with_a_weaker_head(tmp_path):
     out = tmp_path / "ab.json"
-    greedy_tree_ab.main(["--sentences", "1", "--reps", "1", "--gammas", "2", "--widths", "2", "3",
+    greedy_tree_ab.main(["--widen", "0", "--sentences", "1", "--reps", "1", "--gammas", "2", "--widths", "2", "3",
                          "--noise", "2", "--threads", "1", "--json", str(out)])
     rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["plain", "chain auto", "chain 2", "tree 2x2", "tree 2x3"]

@@ -13,8 +13,8 @@ children of every node.
 projection (seeded): a weaker head, as a Spear-TTS model trained without distilling its exit head may
 have; its acceptance is printed as tokens per target pass.
 
-    python tools/greedy_tree_ab.py                                  # shipped model, its own head
-    python tools/greedy_tree_ab.py --widen 512 8 --noise 4 --json benchmarks/greedy_tree_ab_w512_noise4.json
+    python tools/greedy_tree_ab.py --widen 0                        # shipped model, its own head
+    python tools/greedy_tree_ab.py --noise 4 --json benchmarks/greedy_tree_ab_w512_noise4.json  # width 512
 """
 
 from __future__ import annotations
@@ -33,23 +33,18 @@ sys.path.insert(0, str(ROOT / "recipes"))
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--widen", type=int, nargs=2, metavar=("DIM", "HEADS"), help="the shipped model widened")
+    from benchmark import default_model, machine_info, tool_parser, write_json
+    from tts_specdec import SpeculativeDecoder
+
+    p = tool_parser(__doc__)
     p.add_argument("--noise", type=float, default=0.0, help="exit head noise, in weight standard deviations")
-    p.add_argument("--sentences", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--gammas", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--widths", type=int, nargs="+", default=[2, 3, 4])
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from benchmark import default_model, machine_info
-    from tts_specdec import SpeculativeDecoder
-    from tts_specdec.speech.atomic import write_json
-
-    setup = default_model("cpu", sentences=args.sentences, widen=args.widen)
+    setup = default_model("cpu", sentences=args.sentences, widen=None if args.widen == [0] else args.widen)
     head = setup.model.to_early_exit_semantic_logits[-1]
     if args.noise:
         with torch.no_grad():
@@ -89,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
               f"  same tokens: {row['same_tokens']}")
     if args.json:
         write_json(args.json, {"machine": machine_info("cpu"), "model": setup.description, "noise": args.noise,
-                               "threads": args.threads, "reps": args.reps, "rows": rows}, indent=1)
+                               "threads": args.threads, "reps": args.reps, "rows": rows})
 
 
 if __name__ == "__main__":

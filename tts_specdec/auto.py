@@ -601,10 +601,10 @@ class SamplingPolicy:
         add to the line, which may rest on few cycles yet), then each runs when due for a revisit
         (`Arms.due`), else the faster. Plain steps are priced by their timed runs; the fitted gamma by
         `cost`, its seconds per token from its own cycles at these rows (`_fitted`), where it has one,
-        else by its timed runs. The line's
-        prediction erred against plain steps by more than among gammas (on the shipped model at 4 rows, 2
-        threads, it put the fitted gamma 5-15% above its timed runs, and auto decoded plainly for up to
-        30-70 runs of a pass where the fitted gamma ran 1.1-1.2x of plain), so it does not decide here.
+        else by its timed runs. The line's prediction erred against plain steps by more than among gammas
+        (on the shipped model at 4 rows, 2 threads, it put the fitted gamma 5-15% above its timed runs, and
+        auto decoded plainly for up to 30-70 runs of a pass where the fitted gamma ran 1.1-1.2x of plain),
+        so it does not decide here.
         Timed runs of the fitted arm swing with their acceptance (a cycle emits 1 to gamma + 1 tokens a
         row) and mix gammas, and a losing arm runs rarely, so a few slow first runs decided for long: at 8
         rows, greedy, the fitted gamma ran 1.1-1.2x of plain steps, and in some processes auto took plain
