@@ -33,9 +33,8 @@ sys.path.insert(0, str(ROOT / "recipes"))
 from benchmark import default_model, machine_info, tool_parser  # noqa: E402
 
 from tts_specdec import SpeculativeDecoder, api  # noqa: E402
+from tts_specdec.auto import AUTO  # noqa: E402
 from tts_specdec.speech.atomic import write_json  # noqa: E402
-
-AUTO = "auto"
 
 
 class _Timings:
@@ -58,7 +57,7 @@ def _policy(timings: _Timings) -> type:
             self._close(now)
             if timings.force is None:
                 answer = super().next(rows)
-                arm = self._run.arm if self._run is not None else "plain"
+                arm = self._run.arm  # every `next` leaves a run under way
             else:
                 self.plain_steps = None
                 answer, arm = (timings.force, None), "fixed"
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 timings.mode, timings.force = (name if rep else "warm-up"), force
                 start, tokens = time.perf_counter(), 0
                 for src, most in zip(setup.sources, setup.max_lengths):
-                    out = dec.sample(src, temperature=args.temperature, gamma="auto", max_length=most,
+                    out = dec.sample(src, temperature=args.temperature, gamma=AUTO, max_length=most,
                                      generator=torch.Generator().manual_seed(rep))
                     tokens += out.stats.generated_tokens
                 if rep:
@@ -133,12 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         api.SamplingPolicy = wrapped
 
     names = [name for name, _ in modes]
+    summed: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])  # (mode, rows) -> s, tokens
+    for (mode, rows, _, _), (seconds, tokens, _) in timings.by.items():
+        summed[mode, rows][0] += seconds
+        summed[mode, rows][1] += tokens
     rows_table = []
     for rows in range(args.batch, 0, -1):
         row: dict = {"rows": rows}
         for name in names:
-            seconds = sum(v[0] for k, v in timings.by.items() if k[0] == name and k[1] == rows)
-            tokens = sum(v[1] for k, v in timings.by.items() if k[0] == name and k[1] == rows)
+            seconds, tokens = summed[name, rows]
             row[name] = {"seconds": seconds, "tokens": tokens, "us_per_token": 1e6 * seconds / tokens if tokens else None}
         row["auto_arms"] = {f"{k[2]} {k[3]}": {"seconds": v[0], "tokens": v[1], "runs": v[2]}
                             for k, v in sorted(timings.by.items()) if k[0] == AUTO and k[1] == rows}
@@ -147,12 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{setup.description}, batch {args.batch}, temperature {args.temperature}, {args.threads} threads, {args.reps} passes")
     print("tokens/s by pass: " + "; ".join(f"{n} " + " ".join(f"{x:.0f}" for x in passes[n]) for n in names))
     print("rows | " + " | ".join(f"{n:>9s}" for n in names) + " | us a token; share of the mode's time")
+    total = {name: sum(r[name]["seconds"] for r in rows_table) for name in names}
     for row in rows_table:
         cells = []
         for name in names:
             cell = row[name]
-            total = sum(r[name]["seconds"] for r in rows_table)
-            cells.append(f"{cell['us_per_token']:5.0f} {cell['seconds'] / total:4.0%}" if cell["tokens"] else "        -")
+            cells.append(f"{cell['us_per_token']:5.0f} {cell['seconds'] / total[name]:4.0%}" if cell["tokens"] else "        -")
         print(f"{row['rows']:4d} | " + " | ".join(cells))
         arms = ", ".join(f"{a} {v['seconds'] / max(v['tokens'], 1) * 1e6:.0f} us ({v['seconds'] * 1e3:.0f} ms)"
                          for a, v in row["auto_arms"].items())
