@@ -705,7 +705,7 @@ def test_a_policy_tells_each_rows_start_from_how_its_last_cycle_ended():
     the same (in order), not in a call's first cycle, after rows ended, or after plain steps."""
     table = Arms(auto.EXPLORE_CYCLES)
     policy = SamplingPolicy(FLAT, {2: table}, clock=still)
-    depths = table.depths
+    depths = table.depths[0]  # a call's first stage
 
     def cycle(accepted, proposed):
         policy._run = auto._Run(table, FIXED, 0.0, rows=len(accepted), gamma=4)
@@ -720,6 +720,38 @@ def test_a_policy_tells_each_rows_start_from_how_its_last_cycle_ended():
     policy.plain(1)
     cycle([1, 1], [4, 4])  # after plain steps
     assert sum(depths.reached[auto.AFTER_ALL]) == pytest.approx(3, abs=0.05)
+
+
+def test_a_call_keeps_its_acceptance_by_stage():
+    """Drafts judged early in a call and later are kept apart (`STAGES`), each stage counted where a
+    running row stands in the call (tokens kept over rows), and the fitted gamma is priced by the stage
+    the call has reached: cheaper than at the prior where drafts were accepted, dearer where they were not."""
+    assert [auto.stage(p) for p in (0, 15.9, 16, 31.9, 32, 63.9, 64, 1000)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    table = Arms(auto.EXPLORE_CYCLES)
+    for _ in range(auto.MEASURED_CYCLES):  # every gamma priced by its own cycles at 4 rows
+        for gamma in range(1, auto.MAX_GAMMA + 1):
+            table.line.add(4, gamma, 1.0 + 0.2 * gamma + 0.05 * 4 * (gamma + 1))
+    policy = SamplingPolicy(FLAT, {4: table}, clock=still)
+
+    def cycle(accepted: list[int], gamma: int = 4) -> None:
+        policy._run = auto._Run(table, FIXED, 0.0, rows=len(accepted), gamma=gamma)
+        policy.observe(accepted, [gamma] * len(accepted))
+        policy.kept(sum(a + 1 for a in accepted))
+
+    at_prior = policy._fitted(table, 4)[1]
+    while auto.stage(policy._position) == 0:  # the first stage: every draft accepted, 5 tokens a row
+        cycle([4] * 4)
+    while policy._position < auto.STAGES[1] - 1:  # the second: every first draft rejected, 1 token a row
+        cycle([0] * 4)
+    assert auto.stage(policy._position) == 1
+    second = policy._fitted(table, 4)[1]
+    prior = auto.Depths().expected(4)[-1]
+    assert table.depths[0].expected(4)[-1] > prior and table.depths[1].expected(4)[-1] < 1.5
+    assert sum(table.depths[2].reached[0]) + sum(table.depths[2].reached[1]) == 0  # nothing judged there yet
+    policy._position = 0.0  # the next call's start: the first stage's acceptance prices it
+    first = policy._fitted(table, 4)[1]
+    assert first is not None and at_prior is not None and second is not None
+    assert first < at_prior < second
 
 
 def test_line_takes_each_shape_at_its_median():
@@ -801,6 +833,35 @@ def test_several_rows_decode_plainly_where_plain_steps_beat_the_fitted_gamma():
     assert any(g > 0 for _, g in later)  # the fitted gamma revisited
 
 
+def test_plain_runs_end_where_the_call_s_next_stage_starts():
+    """Where plain steps beat the fitted gamma, a call's runs of plain steps stop where each stage starts
+    (`STAGES`; at least EXPLORE_STEPS steps), so each stage decides with its own acceptance; past the last
+    stage they run as long as the loop fuses."""
+    script = Cycles(lambda rows, gamma: 1.0 + 0.2 * gamma + 0.05 * rows * (gamma + 1), accepts=4, plain=0.08)
+    tables: dict[int, Arms] = {}
+    script.run(SamplingPolicy(FLAT, tables, clock=script.clock), [8] * 3000)  # plain steps won here
+    policy = SamplingPolicy(FLAT, tables, clock=script.clock)
+    runs = []
+    while policy._position < 200:
+        start = policy._position
+        gamma, _ = policy.next(8)
+        if gamma:  # a revisit of the fitted gamma
+            policy.observe([min(4, gamma)] * 8, [gamma] * 8)
+            policy.kept((min(4, gamma) + 1) * 8)
+            script.now += 1.0 + 0.2 * gamma + 0.05 * 8 * (gamma + 1)
+            continue
+        steps = min(policy.plain_steps or 32, 32)
+        runs.append((start, steps))
+        policy.plain(steps)
+        policy.kept(steps * 8)
+        script.now += 0.08 * steps * 8
+    policy.finish()
+    assert [steps for start, steps in runs][:3] == [16, 16, 32]  # 0 -> 16 -> 32 -> 64
+    for start, steps in runs:
+        ahead = [s for s in auto.STAGES if s > start]
+        assert steps == (max(auto.EXPLORE_STEPS, math.ceil(ahead[0] - start)) if ahead else 32)
+
+
 def test_several_rows_speculate_where_the_fitted_gamma_ran_faster_than_plain_steps():
     """The line picks the gamma; plain steps' timed runs and the fitted gamma's cost pick between them. The
     fitted gamma's cost, where MEASURED_CYCLES of its cycles ran at these rows, is their median over the
@@ -808,7 +869,8 @@ def test_several_rows_speculate_where_the_fitted_gamma_ran_faster_than_plain_ste
     tokens, over 0.12 s a token. It drafts where plain steps ran at 0.2 s a token, however slow its own
     first timed runs were (0.25: a few slow first runs no longer keep it from running); plain steps run
     once theirs take 0.08. With fewer rows than the cycles were timed at (7: no cycles of its own), the
-    fitted gamma's timed runs decide, as plain steps' do."""
+    line prices it (its timed runs swing with the stage of the call they ran in), against plain steps'
+    timed runs scaled to 7 rows."""
     tables: dict[int, Arms] = {}
     table = tables[8] = Arms(auto.EXPLORE_CYCLES)
     for _ in range(auto.LINE_WINDOW):
@@ -820,22 +882,23 @@ def test_several_rows_speculate_where_the_fitted_gamma_ran_faster_than_plain_ste
     policy = SamplingPolicy(FLAT, tables, clock=still)
     gamma, cost = policy._fitted(table, 8)
     measured = table.line.measured(8, gamma)
-    assert measured is not None and cost == measured / (8 * table.depths.expected(gamma)[-1])
+    assert measured is not None and cost == measured / (8 * table.depths[0].expected(gamma)[-1])
     assert 0.12 < cost < 0.2
     assert policy._fitted_or_plain(table, 8, cost) == auto.FITTED
     for _ in range(200):  # plain steps turn fast: 0.08 s a token
         table.add(PLAIN, 0.08 * 256, 256, rows=8)
     table.add(auto.FITTED, 10.0, 40, rows=8)  # a revisit: not due for one now
     assert policy._fitted_or_plain(table, 8, cost) == PLAIN
-    # at 7 rows no shape was timed: the timed runs decide (per token at 7 rows, as a step's time at 8)
-    assert policy._fitted(table, 7)[1] is None
-    for _ in range(200):  # the fitted gamma's runs turn fast: 0.05 s a token
-        table.add(auto.FITTED, 2.0, 40, rows=8)
-    assert policy._fitted_or_plain(table, 7, None) == auto.FITTED
-    for _ in range(400):  # and slow again: 0.2 s a token
-        table.add(auto.FITTED, 8.0, 40, rows=8)
-    table.add(PLAIN, 0.08 * 256, 256, rows=8)  # a revisit: not due for one now
-    assert policy._fitted_or_plain(table, 7, None) == PLAIN
+    # at 7 rows no shape was timed: the line prices the fitted gamma
+    gamma7, cost7 = policy._fitted(table, 7)
+    a, b, c = table.line.fit()
+    line = (a + b * gamma7 + c * 7 * (gamma7 + 1)) / (7 * table.depths[0].expected(gamma7)[-1])
+    assert cost7 == pytest.approx(line) and 0.1 < cost7 < 0.2
+    assert policy._fitted_or_plain(table, 7, cost7) == PLAIN  # plain steps: 0.08 x 8 / 7 s a token
+    for _ in range(400):  # plain steps turn slow: 0.3 s a token
+        table.add(PLAIN, 0.3 * 256, 256, rows=8)
+    table.add(auto.FITTED, 10.0, 40, rows=8)  # a revisit: not due for one now
+    assert policy._fitted_or_plain(table, 7, cost7) == auto.FITTED
 
 
 def plain_caps(costs: CostModel, fastest: str, cycles: int = 400) -> list[int | None]:

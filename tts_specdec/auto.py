@@ -134,6 +134,17 @@ DITHER = 16
 # (EXPLORE_CYCLES) stay one cycle each
 HOLD_SECONDS = 0.02
 DEPTH_HALF_LIFE = 256.0  # judged drafts: a row class's acceptance by depth follows the session slowly
+# acceptance changes along an utterance, so a call has stages, each starting where a running row has
+# emitted this many tokens on average: on the shipped model at batch 4 (sampling, gamma 5, 2 threads) 0.91
+# of drafts were accepted over a row's first 16 tokens, 0.62 over the next 16 and 0.54 after. A row class
+# keeps its acceptance by depth per stage, the fitted gamma is priced with the stage's, and a run of plain
+# steps ends where the next stage starts, so each stage decides with its own. Pooled, the first choices
+# set the price of every later one: where plain steps ran first (32 of them: past the first stage),
+# speculation was judged only in the calls' middles, and auto decoded plainly in half of the fresh
+# processes where gamma 3-4 ran 1.06x of plain. With stages (shipped model, 2 threads, fresh processes
+# alternated, 10 a side): auto / the faster of plain and gamma 4, sampling at batch 2 / 4 / 8, 0.979 /
+# 0.992 / 0.977 against 0.966 / 0.932 / 0.966
+STAGES = (16, 32, 64)
 AFTER_REJECT, AFTER_ALL = 0, 1  # how a row's previous cycle ended (`Depths`)
 
 
@@ -226,6 +237,11 @@ def row_class(rows: int) -> int:
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
     return 1 << (rows - 1).bit_length()
+
+
+def stage(position: float) -> int:
+    """The stage of a call (`STAGES`) where a running row has emitted `position` tokens on average."""
+    return sum(position >= start for start in STAGES)
 
 
 class Line:
@@ -393,7 +409,7 @@ class Arms:
         self._rates: dict[str, tuple[float, float]] = {}  # `rate` by arm until the next `add`
         self._rows: dict[str, list[float]] = {}  # arm -> fading sums of tokens x rows, tokens (`rows`)
         self.line = Line()  # the chain arms' cycle seconds by verified slots (`SamplingPolicy`)
-        self.depths = Depths()  # acceptance by draft depth in the row class's cycles
+        self.depths = [Depths() for _ in range(len(STAGES) + 1)]  # acceptance by draft depth, by stage
         # its own generator: the draws move neither torch's nor the caller's random state
         self._draw = random.Random(0)
 
@@ -538,6 +554,7 @@ class SamplingPolicy:
         self.used_confidence: float | None = None  # the draft stops some cycle used
         self._accepted = self._judged = 0.0  # fading sums over judged drafts
         self._ends: list[bool] | None = None  # per row: its last cycle accepted all its drafts
+        self._position = 0.0  # tokens a running row has emitted in this call, on average (`stage`)
         # cycles time the row class's line where the arms include the chain arms of several rows (`arms_at`;
         # the line and the depths are read only there, so one row keeps neither)
         self._fits = self.arms[:2] == (STOPS, FIXED)
@@ -588,6 +605,10 @@ class SamplingPolicy:
         if arm == PLAIN:
             if len(arms) > 1 and table.best(arms) != PLAIN:
                 self.plain_steps = max(EXPLORE_STEPS, math.ceil(EXPLORE_SECONDS / self.costs.t_step))
+            ahead = [start for start in STAGES if start > self._position]
+            if fitted and ahead:  # the next stage decides anew (at least EXPLORE_STEPS: a fair timing)
+                cap = max(EXPLORE_STEPS, math.ceil(ahead[0] - self._position))
+                self.plain_steps = cap if self.plain_steps is None else min(self.plain_steps, cap)
             return 0, None
         answer = (chosen, None) if chosen is not None else (self.sure_gamma, self.stops)
         if answer[1] is not None:
@@ -596,19 +617,16 @@ class SamplingPolicy:
             run.answer, run.until = answer, now + self.hold_seconds
         return answer
 
-    def _fitted_or_plain(self, table: Arms, rows: int, cost: float | None) -> str:
+    def _fitted_or_plain(self, table: Arms, rows: int, cost: float) -> str:
         """FITTED or PLAIN for `rows` rows: each is explored EXPLORE_CYCLES times (the fitted gamma's cycles
         add to the line, which may rest on few cycles yet), then each runs when due for a revisit
         (`Arms.due`), else the faster. Plain steps are priced by their timed runs; the fitted gamma by
-        `cost`, its seconds per token from its own cycles at these rows (`_fitted`), where it has one,
-        else by its timed runs. The line's prediction erred against plain steps by more than among gammas
-        (on the shipped model at 4 rows, 2 threads, it put the fitted gamma 5-15% above its timed runs, and
-        auto decoded plainly for up to 30-70 runs of a pass where the fitted gamma ran 1.1-1.2x of plain),
-        so it does not decide here.
-        Timed runs of the fitted arm swing with their acceptance (a cycle emits 1 to gamma + 1 tokens a
-        row) and mix gammas, and a losing arm runs rarely, so a few slow first runs decided for long: at 8
-        rows, greedy, the fitted gamma ran 1.1-1.2x of plain steps, and in some processes auto took plain
-        steps for most of a pass (0.81-0.86x of gamma 5 in 3 of 10 fresh processes)."""
+        `cost` (`_fitted`): cycle seconds over the tokens the acceptance of the call's stage gives. Not by
+        the fitted arm's timed runs: their seconds per token carry the acceptance of the stage they ran in
+        (`STAGES`), and a losing arm runs rarely, so a few runs in the middle of calls decided for long: on
+        the shipped model at 4 rows (sampling, 2 threads) they priced the fitted gamma at 327-363 us a token
+        against plain's 205-218, where it ran 160 at the calls' starts, and auto decoded plainly for whole
+        passes where gamma 3-4 ran 1.06x of plain."""
         least = min((FITTED, PLAIN), key=lambda arm: table.runs.get(arm, 0))
         if table.runs.get(least, 0) < table.explore:
             return least
@@ -616,35 +634,33 @@ class SamplingPolicy:
         # of the class, so its seconds per token grow as rows end (at 8 rows on the shipped model plain
         # runs timed at 8 rows made them look faster than gamma 4 at 5-6 rows, where they were 1.3x slower)
         plain = table.rate(PLAIN)[0] * table.rows(PLAIN) / rows
-        fitted = cost if cost is not None else table.rate(FITTED)[0] * table.rows(FITTED) / rows  # as plain's
-        best = FITTED if fitted < plain else PLAIN
+        best = FITTED if cost < plain else PLAIN
         ran = [arm for arm in (FITTED, PLAIN) if arm in table.sums]
         return table.due((FITTED, PLAIN), ran, best) or best
 
     def _fitted(self, table: Arms, rows: int) -> tuple[int, float | None]:
-        """(gamma, its seconds per token from its own cycles at `rows` rows, or None where the line priced
-        it): the gamma with the most expected tokens per second for `rows` rows by the row class's cycles
-        (`Line.measured`, else the line) and the acceptance by depth; (0, None) while the line is not known.
-        Every DITHER-th choice drafts one more, every other DITHER-th one fewer."""
+        """(gamma, its seconds per token): the gamma with the most expected tokens per second for `rows`
+        rows by the row class's cycle seconds (the median of its own cycles at these rows where
+        `Line.measured` has one, else the line) and the acceptance by depth of the call's stage; (0, None)
+        while the line is not known. Every DITHER-th choice drafts one more, every other DITHER-th one
+        fewer."""
         fit = table.line.fit()
         if fit is None:
             return 0, None
         a, b, c = fit
-        priced = []  # [gamma - 1]: (seconds per token, from its own cycles)
-        for gamma, expected in enumerate(table.depths.expected(self.max_gamma), 1):
+        priced = []  # [gamma - 1]: seconds per token
+        for gamma, expected in enumerate(table.depths[stage(self._position)].expected(self.max_gamma), 1):
             seconds = table.line.measured(rows, gamma)
-            own = seconds is not None
-            if not own:  # not run enough at these rows: the line's
+            if seconds is None:  # not run enough at these rows: the line's
                 seconds = a + b * gamma + c * rows * (gamma + 1)
-            priced.append((seconds / (rows * expected), own))
-        best = 1 + min(range(len(priced)), key=lambda i: priced[i][0])  # ties keep the shorter draft
+            priced.append(seconds / (rows * expected))
+        best = 1 + min(range(len(priced)), key=priced.__getitem__)  # ties keep the shorter draft
         table.line.turn = (table.line.turn + 1) % DITHER
         if table.line.turn == 0:
             best = min(best + 1, len(priced))
         elif table.line.turn == DITHER // 2:
             best = max(best - 1, 1)
-        cost, own = priced[best - 1]
-        return best, cost if own else None
+        return best, priced[best - 1]
 
     def arms_at(self, rows: int, gamma: int) -> tuple[str, ...]:
         """The arms for a cycle of `rows` running rows whose cost model gives `gamma`: with several rows on
@@ -690,7 +706,7 @@ class SamplingPolicy:
         ends = self._ends if self._ends is not None and len(self._ends) == len(accepted) else [None] * len(accepted)
         if self._run is not None and self._times_line(self._run):
             # (not draft stops: a row that stops after an unsure draft leaves the confident ones judged)
-            self._run.table.depths.observe(accepted, proposed, ends)
+            self._run.table.depths[stage(self._position)].observe(accepted, proposed, ends)
         # how each row's cycle ended; rows keep their order while none ends (the count tells)
         self._ends = [a == n for a, n in zip(accepted, proposed)]
         if self._run is not None and not any(accepted):
@@ -710,6 +726,7 @@ class SamplingPolicy:
         they were)."""
         if self._run is not None:
             self._run.tokens += tokens
+            self._position += tokens / max(self._run.rows, 1)
 
     def finish(self) -> None:
         """The call ended: books its last run. A batch's last row often ends the call in one run (on the
