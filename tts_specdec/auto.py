@@ -9,8 +9,9 @@ drafting that gamma, drafting with stops and (several rows on the CPU) a half an
 are arms (`Arms`) timed in seconds per emitted token on the decoder's own runs, per row count and kept
 across calls; the fastest decodes almost all the time and the others are revisited rarely. With several
 rows on the CPU, once those arms' cycles give it two gammas, a line of cycle seconds by gamma and tokens
-carried (`Line`) and the acceptance by draft depth (`Depths`) pick the gamma instead, and that gamma's
-timed runs and plain steps' decide between them. Beam search chooses per call
+carried (`Line`) and the acceptance by draft depth (`Depths`, per stage of the call: `STAGES`) pick the
+gamma instead, and its price (cycle seconds over the tokens the stage's acceptance gives) and plain
+steps' timed runs decide between them. Beam search chooses per call
 between plain and speculative beam search the same way (`BeamPolicy`), seeded by timed short searches
 (`BeamCosts`).
 Every cycle, and every call, is exact on its own: no choice changes greedy tokens, beam search's result
@@ -143,7 +144,7 @@ DEPTH_HALF_LIFE = 256.0  # judged drafts: a row class's acceptance by depth foll
 # speculation was judged only in the calls' middles, and auto decoded plainly in half of the fresh
 # processes where gamma 3-4 ran 1.06x of plain. With stages (shipped model, 2 threads, fresh processes
 # alternated, 10 a side): auto / the faster of plain and gamma 4, sampling at batch 2 / 4 / 8, 0.979 /
-# 0.992 / 0.977 against 0.966 / 0.932 / 0.966
+# 0.992 / 0.977 against 0.964 / 0.932 / 0.966
 STAGES = (16, 32, 64)
 AFTER_REJECT, AFTER_ALL = 0, 1  # how a row's previous cycle ended (`Depths`)
 
