@@ -862,6 +862,25 @@ def test_plain_runs_end_where_the_call_s_next_stage_starts():
         assert steps == (max(auto.EXPLORE_STEPS, math.ceil(ahead[0] - start)) if ahead else 32)
 
 
+def test_a_held_decision_ends_where_the_call_s_next_stage_starts():
+    """A decision holds while the rows stay and its time lasts, but not into the next stage of the call:
+    that stage decides with its own acceptance."""
+    script = Cycles(lambda rows, gamma: 1.0 + 0.2 * gamma + 0.05 * rows * (gamma + 1), accepts=4, plain=0.6)
+    tables: dict[int, Arms] = {}
+    script.run(SamplingPolicy(FLAT, tables, clock=script.clock), [8] * 400)  # the fitted gamma won here
+    policy = SamplingPolicy(FLAT, tables, clock=still, hold_seconds=1e9)  # time never ends a hold
+    gamma, _ = policy.next(8)
+    run = policy._run
+    assert gamma and run is not None and run.answer is not None and run.arm == auto.FITTED  # held
+    policy.observe([4] * 8, [gamma] * 8)
+    policy.kept(5 * 8)  # 5 tokens a row: the first stage still
+    assert policy.next(8) == (gamma, None) and policy._run is run
+    policy.observe([4] * 8, [gamma] * 8)
+    policy.kept(15 * 8)  # 20 tokens a row: the second stage
+    policy.next(8)
+    assert policy._run is not run and policy._run.stage == 1
+
+
 def test_several_rows_speculate_where_the_fitted_gamma_ran_faster_than_plain_steps():
     """The line picks the gamma; plain steps' timed runs and the fitted gamma's cost pick between them. The
     fitted gamma's cost, where MEASURED_CYCLES of its cycles ran at these rows, is their median over the

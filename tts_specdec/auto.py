@@ -139,7 +139,8 @@ DEPTH_HALF_LIFE = 256.0  # judged drafts: a row class's acceptance by depth foll
 # emitted this many tokens on average: on the shipped model at batch 4 (sampling, gamma 5, 2 threads) 0.91
 # of drafts were accepted over a row's first 16 tokens, 0.62 over the next 16 and 0.54 after. A row class
 # keeps its acceptance by depth per stage, the fitted gamma is priced with the stage's, and a run of plain
-# steps ends where the next stage starts, so each stage decides with its own. Pooled, the first choices
+# steps, or a held decision (HOLD_SECONDS), ends where the next stage starts, so each stage decides with
+# its own. Pooled, the first choices
 # set the price of every later one: where plain steps ran first (32 of them: past the first stage),
 # speculation was judged only in the calls' middles, and auto decoded plainly in half of the fresh
 # processes where gamma 3-4 ran 1.06x of plain. With stages (shipped model, 2 threads, fresh processes
@@ -515,6 +516,9 @@ class _Run:
         self.answer: tuple[int, float | None] | None = None
         self.until = start
         self.starts: list[float] = []
+        # the call's stage where the line's gamma or plain steps were chosen by it (a held decision ends
+        # with it); None: the choice did not read the stage
+        self.stage: int | None = None
 
 
 class SamplingPolicy:
@@ -532,8 +536,9 @@ class SamplingPolicy:
     prior shows it only by drafting. The caller's `confidence` replaces the drafting arms. With more rows
     than a class already timed, arms that draft more than the fastest drafting arm there are only
     revisited (`_worth_exploring`). With several rows on the CPU, once the class's line is known, the
-    gamma it predicts fastest (FITTED) and plain steps are the only arms (`_fitted`), their timed runs
-    deciding between them (`_fitted_or_plain`).
+    gamma it predicts fastest (FITTED) and plain steps are the only arms (`_fitted`), its price (cycle
+    seconds over the tokens the acceptance of the call's stage gives) and plain steps' timed runs deciding
+    between them (`_fitted_or_plain`).
     Stops read only the draft's own distribution, so no arm changes what is sampled; but the arm a cycle
     takes follows the clock, so seeded sampling under auto is not reproduced token for token."""
 
@@ -555,7 +560,9 @@ class SamplingPolicy:
         self.used_confidence: float | None = None  # the draft stops some cycle used
         self._accepted = self._judged = 0.0  # fading sums over judged drafts
         self._ends: list[bool] | None = None  # per row: its last cycle accepted all its drafts
-        self._position = 0.0  # tokens a running row has emitted in this call, on average (`stage`)
+        # tokens a running row has emitted in this call, on average (`stage`): each run's kept tokens over the
+        # rows it started with, so a row that ends within a run leaves it a little behind the rows that go on
+        self._position = 0.0
         # cycles time the row class's line where the arms include the chain arms of several rows (`arms_at`;
         # the line and the depths are read only there, so one row keeps neither)
         self._fits = self.arms[:2] == (STOPS, FIXED)
@@ -572,7 +579,8 @@ class SamplingPolicy:
         """(gamma, draft_confidence) for the next cycle of `rows` running rows; gamma 0: plain steps."""
         now = self._clock()
         run = self._run
-        if run is not None and run.answer is not None and rows == run.rows and now < run.until:
+        if (run is not None and run.answer is not None and rows == run.rows and now < run.until
+                and run.stage in (None, stage(self._position))):
             run.starts.append(now)
             return run.answer
         self._book(now)
@@ -581,7 +589,7 @@ class SamplingPolicy:
         if table is None:  # made only when missing: a table's seeded generator costs ~30 us, a cycle ~2 ms
             table = self.tables[cls] = Arms(EXPLORE_CYCLES)
         gamma = self._choose(self.alpha) if self.pays else 0
-        fitted, fitted_cost = 0, None
+        fitted, fitted_cost = 0, math.inf
         if gamma:
             arms = self.arms_at(rows, gamma)
             if SHORT in arms:
@@ -603,6 +611,7 @@ class SamplingPolicy:
         self.plain_steps = None
         chosen = {PLAIN: 0, FIXED: gamma, SHORT: gamma // 2, THIRD: gamma // 3, FITTED: fitted}.get(arm)
         run = self._run = _Run(table, arm, now, rows, self.sure_gamma if chosen is None else chosen)
+        run.stage = stage(self._position) if fitted else None
         if arm == PLAIN:
             if len(arms) > 1 and table.best(arms) != PLAIN:
                 self.plain_steps = max(EXPLORE_STEPS, math.ceil(EXPLORE_SECONDS / self.costs.t_step))
@@ -639,15 +648,15 @@ class SamplingPolicy:
         ran = [arm for arm in (FITTED, PLAIN) if arm in table.sums]
         return table.due((FITTED, PLAIN), ran, best) or best
 
-    def _fitted(self, table: Arms, rows: int) -> tuple[int, float | None]:
+    def _fitted(self, table: Arms, rows: int) -> tuple[int, float]:
         """(gamma, its seconds per token): the gamma with the most expected tokens per second for `rows`
         rows by the row class's cycle seconds (the median of its own cycles at these rows where
-        `Line.measured` has one, else the line) and the acceptance by depth of the call's stage; (0, None)
+        `Line.measured` has one, else the line) and the acceptance by depth of the call's stage; (0, inf)
         while the line is not known. Every DITHER-th choice drafts one more, every other DITHER-th one
         fewer."""
         fit = table.line.fit()
         if fit is None:
-            return 0, None
+            return 0, math.inf
         a, b, c = fit
         priced = []  # [gamma - 1]: seconds per token
         for gamma, expected in enumerate(table.depths[stage(self._position)].expected(self.max_gamma), 1):
@@ -724,7 +733,7 @@ class SamplingPolicy:
         """The tokens the last cycle or run of plain steps kept, EOS and max_length applied (summed over the
         cycles of a held decision): what its time is booked against (not every row's tokens: a run of 32
         plain steps makes many past a row's end, and a batch's ending rows made plain runs look faster than
-        they were)."""
+        they were). They also move the call on (`stage`)."""
         if self._run is not None:
             self._run.tokens += tokens
             self._position += tokens / max(self._run.rows, 1)
