@@ -140,12 +140,11 @@ DEPTH_HALF_LIFE = 256.0  # judged drafts: a row class's acceptance by depth foll
 # of drafts were accepted over a row's first 16 tokens, 0.62 over the next 16 and 0.54 after. A row class
 # keeps its acceptance by depth per stage, the fitted gamma is priced with the stage's, and a run of plain
 # steps, or a held decision (HOLD_SECONDS), ends where the next stage starts, so each stage decides with
-# its own. Pooled, the first choices
-# set the price of every later one: where plain steps ran first (32 of them: past the first stage),
-# speculation was judged only in the calls' middles, and auto decoded plainly in half of the fresh
-# processes where gamma 3-4 ran 1.06x of plain. With stages (shipped model, 2 threads, fresh processes
-# alternated, 10 a side): auto / the faster of plain and gamma 4, sampling at batch 2 / 4 / 8, 0.979 /
-# 0.992 / 0.977 against 0.964 / 0.932 / 0.966
+# its own. Pooled, the first choices set the price of every later one: where plain steps ran first (32 of
+# them: past the first stage), speculation was judged only in the calls' middles, and auto decoded plainly
+# in half of the fresh processes where gamma 3-4 ran 1.06x of plain. With stages (shipped model, 2 threads,
+# fresh processes alternated, 10 a side): auto / the faster of plain and gamma 4, sampling at batch 2 / 4 /
+# 8, 0.979 / 0.992 / 0.977 against 0.964 / 0.932 / 0.966
 STAGES = (16, 32, 64)
 AFTER_REJECT, AFTER_ALL = 0, 1  # how a row's previous cycle ended (`Depths`)
 
@@ -510,15 +509,16 @@ class _Run:
     """The timing of the run under way: its arm and table, when it started, what it emitted; a held
     decision's answer, until when it holds and when each of its later cycles started (`HOLD_SECONDS`)."""
 
-    def __init__(self, table: Arms, arm: str, start: float, rows: int = 0, gamma: int = 0) -> None:
+    def __init__(self, table: Arms, arm: str, start: float, rows: int = 0, gamma: int = 0,
+                 stage: int | None = None) -> None:
         self.table, self.arm, self.start, self.tokens = table, arm, start, 0.0
         self.rows, self.gamma = rows, gamma
+        # the call's stage where the line's gamma or plain steps were chosen by it (a held decision ends
+        # with it); None: the choice did not read the stage
+        self.stage = stage
         self.answer: tuple[int, float | None] | None = None
         self.until = start
         self.starts: list[float] = []
-        # the call's stage where the line's gamma or plain steps were chosen by it (a held decision ends
-        # with it); None: the choice did not read the stage
-        self.stage: int | None = None
 
 
 class SamplingPolicy:
@@ -610,14 +610,14 @@ class SamplingPolicy:
             arm = table.pick(arms, self._worth_exploring(cls, arms)) if len(arms) > 1 else PLAIN
         self.plain_steps = None
         chosen = {PLAIN: 0, FIXED: gamma, SHORT: gamma // 2, THIRD: gamma // 3, FITTED: fitted}.get(arm)
-        run = self._run = _Run(table, arm, now, rows, self.sure_gamma if chosen is None else chosen)
-        run.stage = stage(self._position) if fitted else None
+        here = stage(self._position)
+        run = self._run = _Run(table, arm, now, rows, self.sure_gamma if chosen is None else chosen,
+                               here if fitted else None)
         if arm == PLAIN:
             if len(arms) > 1 and table.best(arms) != PLAIN:
                 self.plain_steps = max(EXPLORE_STEPS, math.ceil(EXPLORE_SECONDS / self.costs.t_step))
-            ahead = [start for start in STAGES if start > self._position]
-            if fitted and ahead:  # the next stage decides anew (at least EXPLORE_STEPS: a fair timing)
-                cap = max(EXPLORE_STEPS, math.ceil(ahead[0] - self._position))
+            if fitted and here < len(STAGES):  # the next stage decides anew (EXPLORE_STEPS: a fair timing)
+                cap = max(EXPLORE_STEPS, math.ceil(STAGES[here] - self._position))
                 self.plain_steps = cap if self.plain_steps is None else min(self.plain_steps, cap)
             return 0, None
         answer = (chosen, None) if chosen is not None else (self.sure_gamma, self.stops)
@@ -736,7 +736,7 @@ class SamplingPolicy:
         they were). They also move the call on (`stage`)."""
         if self._run is not None:
             self._run.tokens += tokens
-            self._position += tokens / max(self._run.rows, 1)
+            self._position += tokens / self._run.rows
 
     def finish(self) -> None:
         """The call ended: books its last run. A batch's last row often ends the call in one run (on the
