@@ -405,6 +405,27 @@ def test_inductor_speculative_beam_equals_default_path():
     assert_same_tokens(out.tokens, ref.tokens)
 
 
+
+@pytest.mark.parametrize("products", ["linear", "all"])
+def test_products_as_reductions_decode_as_the_default_path(models, source, products, monkeypatch):
+    """The compiled steps with their products (and attention's: "all", CUDA's default) written as sums of
+    products (`static_compiled.products`) give the default path's tokens: speculative greedy decoding with
+    guidance and grouped kv heads, seeded sampling step by step, and speculative beam search."""
+    assert static_compiled.products(torch.device("cuda")) == "all" or static_compiled.PRODUCTS
+    assert static_compiled.products(torch.device("cpu")) == "blas" or static_compiled.PRODUCTS
+    monkeypatch.setattr(static_compiled, "PRODUCTS", products)
+    monkeypatch.setattr(speculative, "PLAIN_STEPS", 1)
+    dec = SpeculativeDecoder(models["cfg"], compile=BACKEND)
+    ref = SpeculativeDecoder(models["cfg"])
+    for kwargs in (dict(temperature=0.0, gamma=3, cond_scale=3.0), dict(temperature=0.8, top_k=5, gamma=0, cond_scale=2.0)):
+        want = ref.sample(source, generator=torch.Generator().manual_seed(3), max_length=MAX_LEN, **kwargs)
+        got = dec.sample(source, generator=torch.Generator().manual_seed(3), max_length=MAX_LEN, **kwargs)
+        assert_same_tokens(got.tokens, want.tokens)
+    w = dec.decoder.backend.w
+    assert w.layers[0].qkv.t().is_contiguous() and w.target.t().is_contiguous()  # (out, in) memory
+    kwargs = dict(beam_size=3, gamma=2, draft_width=6, max_length=MAX_LEN)
+    assert_same_tokens(dec.beam_search(source, **kwargs).tokens, ref.beam_search(source, **kwargs).tokens)
+
 # ---- GPU (skipped without CUDA) ----------------------------------------------------------------------
 
 

@@ -54,6 +54,10 @@ MODES["spec_sample_4cycles"] = _cycles_per_run(MODES["spec_sample"], 4)
 MODES["spec_sample_8cycles"] = _cycles_per_run(MODES["spec_sample"], 8)
 
 
+# the deterministic modes whose speculative decode must give its plain decode's tokens
+SAME = (("spec_greedy", "greedy"), ("spec_beam", "beam"))
+
+
 def tokens_of(out) -> int:
     return int(out.stats.generated_tokens)
 
@@ -113,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     texts = texts_for(args.sentences)
     report["sentences"] = len(texts)
+    outputs: dict[str, list] = {}  # each mode's tokens of its first repetition: a speculative mode against its plain one
     for name in args.modes:
         mode = MODES[name]
         g = torch.Generator(device=args.device)
@@ -134,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 out = mode(dec, g, text)
                 sync()
                 seconds += time.perf_counter() - t
+                if rep == 0:
+                    outputs.setdefault(name, []).append([row.tolist() for row in out.tokens])
                 tokens += tokens_of(out)
                 accepted += out.stats.accepted
                 judged += out.stats.accepted + out.stats.rejections
@@ -144,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== {name}: {fig['tokens_per_s']:.1f} tokens/s ({tokens} tokens in {args.reps * len(texts)} decodes, first call "
               f"{warm:.1f} s{', alpha %.2f' % fig['alpha'] if judged else ''})", flush=True)
         if args.out:  # after every mode: a run stopped at its time limit keeps what it measured
+            write_json(args.out / "profile.json", report, indent=2)
+    same = {f"{spec} == {plain}": outputs[spec] == outputs[plain] for spec, plain in SAME if spec in outputs and plain in outputs}
+    if same:
+        report["same_tokens"] = same
+        print("\nsame tokens: " + ", ".join(f"{k} {v}" for k, v in same.items()), flush=True)
+        if args.out:
             write_json(args.out / "profile.json", report, indent=2)
     # profiled after every mode is timed: on an H200 (2026-11-29) modes timed after a profiled decode ran
     # 20-30% slower than the same modes in a process that profiled nothing

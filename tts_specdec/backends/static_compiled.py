@@ -62,6 +62,26 @@ RECORD_RUNS = os.environ.get("TTS_SPECDEC_RECORD_RUNS", "0") == "1"
 # compiles for longer.
 AUTOTUNE = os.environ.get("TTS_SPECDEC_AUTOTUNE", "0") == "1"
 RECORDED = 16  # recorded runs kept (each holds its graph and its memory), the most recently used
+# How a step writes its products (`products`). "blas": torch.mm / addmm / matmul, which inductor hands to
+# cuBLAS; on an H200 a one-row product ran there as a GEMV kernel of 2-3 us, but a verify pass's five-row
+# products as tiled float32 GEMMs of ~8.4 us with split-K reductions of their own (47% of speculative
+# sampling's kernel time). "all": every product, attention's two included, written as a broadcast multiply
+# and a sum over the inputs, which inductor generates as a reduction kernel of its own (fused with the norm
+# in front, the bias and residual after), whose cost barely grows with the rows; the weights are then
+# stored (out, in) so that the sum runs along memory. "linear": the layers' and heads' products alone. On an
+# H200 (2026-11-30, docs/performance.md) "all" ran every mode faster than "blas" (plain sampling 1.34x,
+# speculative sampling 1.57x, beam search 1.51x) with the same tokens, so it is the default on CUDA; the
+# CPU keeps "blas" (its compiled path is not where the CPU decodes: the C++ kernels are).
+# TTS_SPECDEC_PRODUCTS (read at import) sets one for every device: the A/B switch.
+PRODUCTS = os.environ.get("TTS_SPECDEC_PRODUCTS") or None
+if PRODUCTS not in (None, "blas", "linear", "all"):
+    raise ValueError(f"TTS_SPECDEC_PRODUCTS must be blas, linear or all, not {PRODUCTS!r}")
+
+
+def products(device: torch.device) -> str:
+    """How the steps on `device` write their products: `PRODUCTS` when set, else "all" on CUDA, "blas"
+    elsewhere."""
+    return PRODUCTS or ("all" if device.type == "cuda" else "blas")
 
 
 @dataclass(frozen=True)
@@ -105,17 +125,56 @@ def _weights_of(dec: Decoder) -> _Weights:
         none = torch.empty(0)
         exit_ff = _Layer(none, none, none, none, *_ff_of(head[0].fn))
         exit_out = _t(head[2].weight, head[1])
-    return _Weights(layers, target, exit_ff, exit_out, _c(m.token_emb[dec.target_type].weight))
+    w = _Weights(layers, target, exit_ff, exit_out, _c(m.token_emb[dec.target_type].weight))
+    return w if products(dec.device) == "blas" else _reduction_layout(w)
+
+
+def _reduction_layout(w: _Weights) -> _Weights:
+    """Every product's (in, out) matrix as a view of (out, in) memory: a reduction over `in` then reads
+    along memory (`_mm`)."""
+    def rows_major(t: Tensor) -> Tensor:
+        return t.t().contiguous().t() if t.dim() == 2 and t.numel() else t
+
+    def layer(lw: _Layer) -> _Layer:
+        return replace(lw, **{f: rows_major(getattr(lw, f))
+                              for f in ("qkv", "attn_out", "cross_q", "cross_out", "ff_in", "ff_out")})
+
+    return replace(w, layers=tuple(layer(lw) for lw in w.layers), target=rows_major(w.target),
+                   exit_ff=None if w.exit_ff is None else layer(w.exit_ff),
+                   exit_out=None if w.exit_out is None else rows_major(w.exit_out))
 
 
 # ---- the static step: pure functions of tensors (what torch.compile traces) -----------------------------
 
 
+def _mm(a: Tensor, w: Tensor) -> Tensor:
+    """a (tokens, in) @ w (in, out), as `products` says: torch.mm, or a sum of products that inductor
+    writes as a reduction kernel of its own."""
+    if products(a.device) == "blas":
+        return torch.mm(a, w)
+    return (a[:, :, None] * w).sum(1)
+
+
+def _addmm(b: Tensor, a: Tensor, w: Tensor) -> Tensor:
+    """b + a @ w."""
+    return torch.addmm(b, a, w) if products(a.device) == "blas" else b + _mm(a, w)
+
+
+def _normed(x: Tensor, w: Tensor) -> Tensor:
+    """_unit(x) @ w (`weights._normed_mm`)."""
+    return _normed_mm(x, w) if products(x.device) == "blas" else tiles.rows(lambda t: _mm(_unit(t), w), x)
+
+
+def _plus(x: Tensor, a: Tensor, w: Tensor) -> Tensor:
+    """x + a @ w (`weights._residual`)."""
+    return _residual(x, a, w) if products(x.device) == "blas" else tiles.rows(lambda t, u: _addmm(t, u, w), x, a)
+
+
 def _ff_residual(w: _Layer, x: Tensor) -> Tensor:
     """x + FeedForward(x) (RMSNorm, Linear, GEGLU, Linear) for x (tokens, dim)."""
     def ff(x: Tensor) -> Tensor:
-        h, gate = torch.addmm(w.ff_in_b, _unit(x), w.ff_in).chunk(2, dim=-1)
-        return torch.addmm(x + w.ff_out_b, F.gelu(gate) * h, w.ff_out)
+        h, gate = _addmm(w.ff_in_b, _unit(x), w.ff_in).chunk(2, dim=-1)
+        return _addmm(x + w.ff_out_b, F.gelu(gate) * h, w.ff_out)
     return tiles.rows(ff, x)
 
 
@@ -126,10 +185,17 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Ten
     memory-efficient kernel, built for long blocks of queries, and a step of the shipped model spent 72% of
     its device time in it at 37 us a call for one to a few queries (H200, benchmarks/gpu_nvidia_h200.json);
     written out it is two small batched products and one fused softmax."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    reduce = products(q.device) == "all"  # each product a reduction kernel of inductor's own
+    if reduce:
+        scores = (q[..., :, None, :] * keys[..., None, :, :]).sum(-1) * q.shape[-1] ** -0.5
+    else:
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
     if mask is not None:
         scores = scores + mask
-    return torch.matmul(scores.softmax(dim=-1).nan_to_num(0.0), values)
+    p = scores.softmax(dim=-1).nan_to_num(0.0)
+    if reduce:
+        return (p[..., :, :, None] * values[..., None, :, :]).sum(-2)
+    return torch.matmul(p, values)
 
 
 def _layers(
@@ -157,7 +223,7 @@ def _layers(
     x = x.reshape(rows * n, dim)
     for i in layers:
         lw = w.layers[i]
-        qkv = _normed_mm(x, lw.qkv).view(rows, n, -1, d).transpose(1, 2)  # (rows, h + 2kvh, n, d)
+        qkv = _normed(x, lw.qkv).view(rows, n, -1, d).transpose(1, 2)  # (rows, h + 2kvh, n, d)
         qk = rotate(qkv[:, : heads + kvh], cos[:, None], sin[:, None])
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kvh :]
         k_layer, v_layer = k_all[i], v_all[i]
@@ -167,10 +233,10 @@ def _layers(
         if kvh != heads:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
             keys, values = keys.repeat(1, heads // kvh, 1, 1), values.repeat(1, heads // kvh, 1, 1)
         a = attend(q, keys, values, mask, _attend)
-        x = _residual(x, a.transpose(1, 2).reshape(rows * n, -1), lw.attn_out)
-        q = _normed_mm(x, lw.cross_q).view(rows, n, heads, d).transpose(1, 2)
+        x = _plus(x, a.transpose(1, 2).reshape(rows * n, -1), lw.attn_out)
+        q = _normed(x, lw.cross_q).view(rows, n, heads, d).transpose(1, 2)
         a = tiles.attention(q, enc_k[i], enc_v[i], enc_mask, _attend)
-        x = _residual(x, a.transpose(1, 2).reshape(rows * n, -1), lw.cross_out)
+        x = _plus(x, a.transpose(1, 2).reshape(rows * n, -1), lw.cross_out)
         x = _ff_residual(lw, x)
     return x.view(rows, n, dim)
 
@@ -200,7 +266,7 @@ def _plain_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, s
     """One plain step for every row: pos (rows,) -> (token (seqs,) marked as `_pick` marks it, next input,
     pos + 1)."""
     h = _layers(w, range(len(w.layers)), x, pos[:, None], k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
-    token, mark, _ = _pick(_normed_mm(h[:, 0], w.target), noise, cfg, guided, scale)
+    token, mark, _ = _pick(_normed(h[:, 0], w.target), noise, cfg, guided, scale)
     return mark, _next_input(w, token, guided), pos + 1
 
 
@@ -209,7 +275,7 @@ def _draft_step(w, x, pos, noise, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, s
     """One draft step: layers below the exit and the exit head -> (exit state, token marked as `_pick`
     marks it, q or None, the probability draft stops test (`stops`; else None), next input, pos + 1)."""
     h = _layers(w, range(exit_layer), x, pos[:, None], k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
-    logits = _normed_mm(_ff_residual(w.exit_ff, h[:, 0]), w.exit_out)
+    logits = _normed(_ff_residual(w.exit_ff, h[:, 0]), w.exit_out)
     if guided:
         logits = cfg_mix(logits, scale)
     token, mark, q = _pick(logits, noise, cfg, False, 1.0)
@@ -225,7 +291,7 @@ def _run(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads
     h = _layers(w, range(first, stop), x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, heads)
     if not head:
         return h
-    return _normed_mm(h.reshape(-1, h.shape[-1]), w.target).view(*h.shape[:2], -1)
+    return _normed(h.reshape(-1, h.shape[-1]), w.target).view(*h.shape[:2], -1)
 
 
 def _exit_states(w, x, pos, k_all, v_all, enc_k, enc_v, enc_mask, cos_t, sin_t, *, heads, stop):
