@@ -44,6 +44,16 @@ def test_recorded_runs_get_their_own_columns(gpu_check, capsys):
     assert "recorded" in capsys.readouterr().out
 
 
+
+def test_cublas_products_get_their_own_columns(gpu_check, capsys):
+    """The blas stages (TTS_SPECDEC_PRODUCTS=blas: cuBLAS's products against the default's reduction
+    kernels) run with that setting and are tabled beside the compiled one."""
+    lines = gpu_check.table({"width1024": {"compiled": report(4.0), "blas": report(2.0)}})
+    assert [ln["blas_tokens_per_s"] / ln["compiled_tokens_per_s"] for ln in lines[1:]] == [0.5, 0.5]
+    gpu_check.print_table(lines, "test device")
+    assert "blas" in capsys.readouterr().out
+    assert "width1024/blas" in gpu_check.STAGES and "shipped/blas" in gpu_check.OPTIONAL
+
 def test_without_cuda_it_says_so(gpu_check, capsys):
     import torch
 
@@ -81,7 +91,7 @@ def test_stages_run_in_order_within_the_budget(gpu_check, monkeypatch, tmp_path)
     assert [c[1] for c in calls] == [350, 250, 150, 50]  # each stage stopped at what is left of the budget
     assert "TTS_SPECDEC_RECORD_RUNS=1" in calls[1][0] and "--compile" in calls[1][0]  # recorded runs second
     assert "-m" in calls[3][0] and "cuda" in calls[3][0]  # the fourth stage: the CUDA tests
-    assert result["skipped"] == ["width1024/compiled", "width1024/eager"]  # exactness: 0 sentences, not a stage
+    assert result["skipped"] == ["width1024/compiled", "width1024/blas", "width1024/eager"]  # exactness: 0 sentences
     assert result["errors"] == {"shipped/eager": "exit status 1"} and result["pytest_cuda_rc"] == 0
     assert list(result["runs"]) == ["shipped"] and list(result["runs"]["shipped"]) == ["compiled", "recorded"]
     assert [line["compiled_tokens_per_s"] for line in result["table"][1:]] == [800.0, 2000.0]

@@ -12,9 +12,11 @@ session here has minutes of device time; what did not fit is listed under "skipp
    over --test-workers processes (pytest-xdist, one per test by default) because each compiles its graphs
    (on an H200, 2026-11-29: the longest took 123 s with a warm compile cache, over 355 s cold);
 3. exactness: recipes/device_check.py --compile on --exactness held-out sentences (0: skipped);
-4. width1024/compiled, width1024/eager: the shipped model widened function-preservingly to width 1024,
-   16 heads (`--widen 1024 16`: memory-bound steps);
-5. only when named: width1024/recorded.
+4. width1024/compiled, width1024/blas, width1024/eager: the shipped model widened function-preservingly
+   to width 1024, 16 heads (`--widen 1024 16`: memory-bound steps); `blas` is compiled with cuBLAS's
+   products (TTS_SPECDEC_PRODUCTS=blas) against the default's reduction kernels, measured so far on the
+   shipped model only (docs/gpu.md);
+5. only when named: width1024/recorded, shipped/blas.
 
 One JSON, benchmarks/gpu_<device>.json, is rewritten after every stage: each benchmark run, the tests'
 exit status, and the table this prints (each row's tokens/s eager and compiled, compiled / eager, each
@@ -48,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BENCH = ["--families", "sample", "greedy", "beam", "--draft-confidence", "0", "--beam-gamma", "1",
                  "--draft-width", "8", "--skip-upstream-beam"]
 STAGES = ["shipped/compiled", "shipped/recorded", "shipped/eager", "tests", "exactness", "width1024/compiled",
-          "width1024/eager"]
-# on request only: the width-1024 model with recorded runs
-OPTIONAL = ["width1024/recorded"]
+          "width1024/blas", "width1024/eager"]
+# on request only: the width-1024 model with recorded runs, the shipped model with cuBLAS's products
+OPTIONAL = ["width1024/recorded", "shipped/blas"]
 SETUPS = {
     "shipped": ["--model", "default", "--skip-auto"],
     "width1024": ["--model", "default", "--widen", "1024", "16", "--skip-upstream", "--skip-auto"],
@@ -97,7 +99,8 @@ def table(runs: dict) -> list[dict]:
         eager = {r["mode"]: r for r in paths.get("eager", {}).get("rows", [])}
         compiled = {r["mode"]: r for r in paths.get("compiled", {}).get("rows", [])}
         recorded = {r["mode"]: r for r in paths.get("recorded", {}).get("rows", [])}
-        for mode in dict.fromkeys([*compiled, *eager, *recorded]):
+        blas = {r["mode"]: r for r in paths.get("blas", {}).get("rows", [])}
+        for mode in dict.fromkeys([*compiled, *eager, *recorded, *blas]):
             e, c = eager.get(mode), compiled.get(mode)
             line = {"setup": setup, "mode": mode}
             if e is not None:
@@ -110,6 +113,9 @@ def table(runs: dict) -> list[dict]:
             r = recorded.get(mode)
             if r is not None and not mode.startswith("spear-tts"):
                 line.update(recorded_tokens_per_s=r["tokens_per_s"], recorded_speedup=r.get("speedup"))
+            b = blas.get(mode)
+            if b is not None and not mode.startswith("spear-tts"):
+                line.update(blas_tokens_per_s=b["tokens_per_s"], blas_speedup=b.get("speedup"))
             lines.append(line)
     return lines
 
@@ -119,15 +125,15 @@ def print_table(lines: list[dict], device: str) -> None:
         return format(v, fmt) if v is not None else ""
 
     print(f"\n{device}, batch 1 (tokens/s; speedup = over the row's plain baseline on the same path)")
-    rec = any("recorded_tokens_per_s" in ln for ln in lines)
+    extra = [k for k in ("recorded", "blas") if any(f"{k}_tokens_per_s" in ln for ln in lines)]
     print(f"{'setup':10s} {'mode':48s} {'eager':>9s} {'speedup':>8s} {'compiled':>9s} {'speedup':>8s} {'c/e':>6s}"
-          + (f" {'recorded':>9s} {'speedup':>8s}" if rec else ""))
+          + "".join(f" {k:>9s} {'speedup':>8s}" for k in extra))
     for ln in lines:
         print(f"{ln['setup']:10s} {ln['mode'][:48]:48s} {num(ln.get('eager_tokens_per_s'), '9.1f'):>9s} "
               f"{num(ln.get('eager_speedup'), '8.2f'):>8s} {num(ln.get('compiled_tokens_per_s'), '9.1f'):>9s} "
               f"{num(ln.get('compiled_speedup'), '8.2f'):>8s} {num(ln.get('compiled_over_eager'), '6.2f'):>6s}"
-              + (f" {num(ln.get('recorded_tokens_per_s'), '9.1f'):>9s} {num(ln.get('recorded_speedup'), '8.2f'):>8s}"
-                 if rec else ""))
+              + "".join(f" {num(ln.get(k + '_tokens_per_s'), '9.1f'):>9s} {num(ln.get(k + '_speedup'), '8.2f'):>8s}"
+                        for k in extra))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--json", str(json_path)]
             if path == "recorded":
                 cmd = ["env", "TTS_SPECDEC_RECORD_RUNS=1", *cmd]
+            elif path == "blas":
+                cmd = ["env", "TTS_SPECDEC_PRODUCTS=blas", *cmd]
             rc = run(cmd, left())
             if rc:  # keep the other stages' results
                 result["errors"][stage] = f"exit status {rc}"
