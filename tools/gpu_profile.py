@@ -49,13 +49,20 @@ def _cycles_per_run(mode, cycles: int):
     return run
 
 
+# gamma's other settings: with products as reduction kernels a verify pass costs about a step (docs/gpu.md),
+# which moves the best gamma; auto picks its own from what it measures
+for _g in (2, 6, 8):
+    MODES[f"spec_sample_g{_g}"] = (lambda g_: lambda d, g, t: d.sample([t], temperature=1.0, gamma=g_, max_length=424,
+                                                                       generator=g))(_g)
+MODES["spec_sample_auto"] = lambda d, g, t: d.sample([t], temperature=1.0, gamma="auto", max_length=424, generator=g)
+MODES["spec_greedy_auto"] = lambda d, g, t: d.sample([t], temperature=0.0, gamma="auto", max_length=424)
 MODES["spec_sample_1cycle"] = _cycles_per_run(MODES["spec_sample"], 1)
 MODES["spec_sample_4cycles"] = _cycles_per_run(MODES["spec_sample"], 4)
 MODES["spec_sample_8cycles"] = _cycles_per_run(MODES["spec_sample"], 8)
 
 
 # the deterministic modes whose speculative decode must give its plain decode's tokens
-SAME = (("spec_greedy", "greedy"), ("spec_beam", "beam"))
+SAME = (("spec_greedy", "greedy"), ("spec_greedy_auto", "greedy"), ("spec_beam", "beam"))
 
 
 def tokens_of(out) -> int:
