@@ -66,9 +66,9 @@ RECORDED = 16  # recorded runs kept (each holds its graph and its memory), the m
 # cuBLAS; on an H200 a one-row product ran there as a GEMV kernel of 2-3 us, but a verify pass's five-row
 # products as tiled float32 GEMMs of ~8.4 us with split-K reductions of their own (47% of speculative
 # sampling's kernel time). "all": every product, attention's two included, written as a broadcast multiply
-# and a sum over the inputs, which inductor generates as a reduction kernel of its own (fused with the norm
-# in front, the bias and residual after), whose cost barely grows with the rows; the weights are then
-# stored (out, in) so that the sum runs along memory. "linear": the layers' and heads' products alone. On an
+# and a sum over the inputs, which inductor generates as a reduction kernel of its own (the norm's division
+# in front and the bias and residual after fused into it), whose cost barely grows with the rows; the
+# weights are then stored (out, in) so that the sum runs along memory. "linear": the layers' and heads' products alone. On an
 # H200 (2026-11-30, docs/performance.md) "all" ran every mode faster than "blas" (plain sampling 1.34x,
 # speculative sampling 1.57x, beam search 1.51x) with the same tokens, so it is the default on CUDA; the
 # CPU keeps "blas" (its compiled path is not where the CPU decodes: the C++ kernels are).
@@ -184,7 +184,8 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Ten
     gives. Written out rather than through that op: on a GPU, float32 attention there is the
     memory-efficient kernel, built for long blocks of queries, and a step of the shipped model spent 72% of
     its device time in it at 37 us a call for one to a few queries (H200, benchmarks/gpu_nvidia_h200.json);
-    written out it is two small batched products and one fused softmax."""
+    written out it is two small products (batched GEMMs, or reduction kernels: `products`) and one fused
+    softmax."""
     reduce = products(q.device) == "all"  # each product a reduction kernel of inductor's own
     if reduce:
         scores = (q[..., :, None, :] * keys[..., None, :, :]).sum(-1) * q.shape[-1] ** -0.5
