@@ -405,7 +405,6 @@ def test_inductor_speculative_beam_equals_default_path():
     assert_same_tokens(out.tokens, ref.tokens)
 
 
-
 @pytest.mark.parametrize("products", ["linear", "all"])
 def test_products_as_reductions_decode_as_the_default_path(models, source, products, monkeypatch):
     """The compiled steps with their products (and attention's: "all", CUDA's default) written as sums of
@@ -425,6 +424,7 @@ def test_products_as_reductions_decode_as_the_default_path(models, source, produ
     assert w.layers[0].qkv.t().is_contiguous() and w.target.t().is_contiguous()  # (out, in) memory
     kwargs = dict(beam_size=3, gamma=2, draft_width=6, max_length=MAX_LEN)
     assert_same_tokens(dec.beam_search(source, **kwargs).tokens, ref.beam_search(source, **kwargs).tokens)
+
 
 # ---- GPU (skipped without CUDA) ----------------------------------------------------------------------
 

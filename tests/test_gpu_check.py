@@ -44,7 +44,6 @@ def test_recorded_runs_get_their_own_columns(gpu_check, capsys):
     assert "recorded" in capsys.readouterr().out
 
 
-
 def test_cublas_products_get_their_own_columns(gpu_check, capsys):
     """The blas stages (TTS_SPECDEC_PRODUCTS=blas: cuBLAS's products against the default's reduction
     kernels) run with that setting and are tabled beside the compiled one."""
@@ -53,6 +52,7 @@ def test_cublas_products_get_their_own_columns(gpu_check, capsys):
     gpu_check.print_table(lines, "test device")
     assert "blas" in capsys.readouterr().out
     assert "width1024/blas" in gpu_check.STAGES and "shipped/blas" in gpu_check.OPTIONAL
+
 
 def test_without_cuda_it_says_so(gpu_check, capsys):
     import torch

@@ -53,6 +53,8 @@ STAGES = ["shipped/compiled", "shipped/recorded", "shipped/eager", "tests", "exa
           "width1024/blas", "width1024/eager"]
 # on request only: the width-1024 model with recorded runs, the shipped model with cuBLAS's products
 OPTIONAL = ["width1024/recorded", "shipped/blas"]
+# the stages compiled under a setting of their own, each tabled in a column of its own beside `compiled`
+SETTINGS = {"recorded": "TTS_SPECDEC_RECORD_RUNS=1", "blas": "TTS_SPECDEC_PRODUCTS=blas"}
 SETUPS = {
     "shipped": ["--model", "default", "--skip-auto"],
     "width1024": ["--model", "default", "--widen", "1024", "16", "--skip-upstream", "--skip-auto"],
@@ -98,9 +100,8 @@ def table(runs: dict) -> list[dict]:
     for setup, paths in runs.items():
         eager = {r["mode"]: r for r in paths.get("eager", {}).get("rows", [])}
         compiled = {r["mode"]: r for r in paths.get("compiled", {}).get("rows", [])}
-        recorded = {r["mode"]: r for r in paths.get("recorded", {}).get("rows", [])}
-        blas = {r["mode"]: r for r in paths.get("blas", {}).get("rows", [])}
-        for mode in dict.fromkeys([*compiled, *eager, *recorded, *blas]):
+        others = {k: {r["mode"]: r for r in paths.get(k, {}).get("rows", [])} for k in SETTINGS}
+        for mode in dict.fromkeys([*compiled, *eager, *(m for rows in others.values() for m in rows)]):
             e, c = eager.get(mode), compiled.get(mode)
             line = {"setup": setup, "mode": mode}
             if e is not None:
@@ -110,12 +111,10 @@ def table(runs: dict) -> list[dict]:
                             vs=c.get("vs"), compile_warmup_s=c.get("warmup_s"))
                 if e is not None:
                     line["compiled_over_eager"] = c["tokens_per_s"] / e["tokens_per_s"]
-            r = recorded.get(mode)
-            if r is not None and not mode.startswith("spear-tts"):
-                line.update(recorded_tokens_per_s=r["tokens_per_s"], recorded_speedup=r.get("speedup"))
-            b = blas.get(mode)
-            if b is not None and not mode.startswith("spear-tts"):
-                line.update(blas_tokens_per_s=b["tokens_per_s"], blas_speedup=b.get("speedup"))
+            for k, rows in others.items():
+                r = rows.get(mode)
+                if r is not None and not mode.startswith("spear-tts"):
+                    line.update({f"{k}_tokens_per_s": r["tokens_per_s"], f"{k}_speedup": r.get("speedup")})
             lines.append(line)
     return lines
 
@@ -125,7 +124,7 @@ def print_table(lines: list[dict], device: str) -> None:
         return format(v, fmt) if v is not None else ""
 
     print(f"\n{device}, batch 1 (tokens/s; speedup = over the row's plain baseline on the same path)")
-    extra = [k for k in ("recorded", "blas") if any(f"{k}_tokens_per_s" in ln for ln in lines)]
+    extra = [k for k in SETTINGS if any(f"{k}_tokens_per_s" in ln for ln in lines)]
     print(f"{'setup':10s} {'mode':48s} {'eager':>9s} {'speedup':>8s} {'compiled':>9s} {'speedup':>8s} {'c/e':>6s}"
           + "".join(f" {k:>9s} {'speedup':>8s}" for k in extra))
     for ln in lines:
@@ -192,10 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, str(ROOT / "recipes" / "benchmark.py"), *SETUPS[setup], "--device", "cuda",
                    "--reps", str(args.reps), *args.bench, *(["--compile"] if path != "eager" else []),
                    "--json", str(json_path)]
-            if path == "recorded":
-                cmd = ["env", "TTS_SPECDEC_RECORD_RUNS=1", *cmd]
-            elif path == "blas":
-                cmd = ["env", "TTS_SPECDEC_PRODUCTS=blas", *cmd]
+            if path in SETTINGS:
+                cmd = ["env", SETTINGS[path], *cmd]
             rc = run(cmd, left())
             if rc:  # keep the other stages' results
                 result["errors"][stage] = f"exit status {rc}"

@@ -49,13 +49,16 @@ def _cycles_per_run(mode, cycles: int):
     return run
 
 
+def _sampling(gamma: int | str, temperature: float = 1.0):
+    """A mode that samples the sentence at `gamma` (greedy at temperature 0)."""
+    return lambda d, g, t: d.sample([t], temperature=temperature, gamma=gamma, max_length=424, generator=g)
+
+
 # gamma's other settings: with products as reduction kernels a verify pass costs about a step (docs/gpu.md),
 # which moves the best gamma; auto picks its own from what it measures
-for _g in (2, 6, 8):
-    MODES[f"spec_sample_g{_g}"] = (lambda g_: lambda d, g, t: d.sample([t], temperature=1.0, gamma=g_, max_length=424,
-                                                                       generator=g))(_g)
-MODES["spec_sample_auto"] = lambda d, g, t: d.sample([t], temperature=1.0, gamma="auto", max_length=424, generator=g)
-MODES["spec_greedy_auto"] = lambda d, g, t: d.sample([t], temperature=0.0, gamma="auto", max_length=424)
+MODES.update({f"spec_sample_g{gamma}": _sampling(gamma) for gamma in (2, 6, 8)})
+MODES["spec_sample_auto"] = _sampling("auto")
+MODES["spec_greedy_auto"] = _sampling("auto", temperature=0.0)
 MODES["spec_sample_1cycle"] = _cycles_per_run(MODES["spec_sample"], 1)
 MODES["spec_sample_4cycles"] = _cycles_per_run(MODES["spec_sample"], 4)
 MODES["spec_sample_8cycles"] = _cycles_per_run(MODES["spec_sample"], 8)

@@ -133,7 +133,7 @@ def _reduction_layout(w: _Weights) -> _Weights:
     """Every product's (in, out) matrix as a view of (out, in) memory: a reduction over `in` then reads
     along memory (`_mm`)."""
     def rows_major(t: Tensor) -> Tensor:
-        return t.t().contiguous().t() if t.dim() == 2 and t.numel() else t
+        return t.t().contiguous().t() if t.dim() == 2 else t  # the exit head's unused fields are empty 1-D
 
     def layer(lw: _Layer) -> _Layer:
         return replace(lw, **{f: rows_major(getattr(lw, f))
