@@ -113,6 +113,8 @@ def test_source_must_be_right_padded_integer_ids(dec, src):
         ("sample", dict(gamma=2, draft_cond_scale="low"), TypeError, "draft_cond_scale must be"),
         ("sample", dict(gamma=2, draft_cond_scale=2.0), ValueError, "draft_cond_scale needs gamma > 0 and cond_scale > 1"),
         ("sample", dict(generator=0), TypeError, "generator must be a torch.Generator"),
+        ("sample", dict(progress=1), TypeError, "progress must be None or a callable"),
+        ("beam_search", dict(progress="bar"), TypeError, "progress must be None or a callable"),
     ],
 )
 def test_bad_arguments_name_the_argument(dec, src, method, kwargs, error, match):

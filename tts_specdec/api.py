@@ -91,7 +91,7 @@ class SpeculativeDecoder:
         stats: `gamma_hist` counts the cycles at each gamma; under "auto" `gamma` is the speculative gamma
         of most cycles (0: decoded plainly) and `draft_confidence` the draft stops it used, if any.
         """
-        max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
+        max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale, progress=progress)
         temperature = check_float("temperature", temperature)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -187,7 +187,7 @@ class SpeculativeDecoder:
         beam_size x vocabulary past it (both: the same search). A call whose KV cache and draft tree would
         not fit in the device's memory is refused before anything is allocated.
         """
-        max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale)
+        max_length, cond_scale = check_common(self.model, max_length=max_length, cond_scale=cond_scale, progress=progress)
         if beam_semantics not in SEMANTICS:
             raise ValueError(f"beam_semantics must be one of {SEMANTICS}, got {beam_semantics!r}")
         vocab = self.decoder.vocab_size

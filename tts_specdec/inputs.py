@@ -134,7 +134,13 @@ def check_length_penalty(value: object) -> float:
     return value
 
 
-def check_common(model: TextToSemantic, *, max_length: object, cond_scale: object) -> tuple[int, float]:
+def check_common(
+    model: TextToSemantic, *, max_length: object, cond_scale: object, progress: object = None
+) -> tuple[int, float]:
+    """The arguments every decoding mode takes; `progress` (None or a callable) is checked before any
+    decoding, not where the loop first calls it."""
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be None or a callable taking the length, got {type(progress).__name__}")
     max_length = check_int("max_length", max_length, 1)
     cond_scale = check_cond_scale("cond_scale", cond_scale)
     if cond_scale > 1 and model.cond_drop_prob == 0:
