@@ -19,9 +19,10 @@ bench: $(STAMP)
 
 # on a machine with a CUDA GPU (this checkout's .venv, else python3: an offline image after
 # `source .gpu/setup.sh`): benchmarks with and without compile, the CUDA tests, under a time budget
-# (docs/gpu.md, "make gpu-check"); writes benchmarks/gpu_<device>.json
+# (docs/gpu.md, "make gpu-check"); writes benchmarks/gpu_<device>.json; CACHE_OUT=DIR: also packs
+# torch.compile's cache into DIR/compile-cache.tar.gz for the next loan (tools/compile_cache.py)
 gpu-check:
-	$(if $(wildcard $(PY)),$(PY),python3) tools/gpu_check.py
+	$(if $(wildcard $(PY)),$(PY),python3) tools/gpu_check.py $(if $(CACHE_OUT),--cache-out $(CACHE_OUT))
 
 env: $(STAMP)
 

@@ -7,13 +7,27 @@ are far from uniform and greedy outputs vary from token to token and from source
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 import math
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from tts_specdec._upstream import TextToSemantic, quiet_progress
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str) -> ModuleType:
+    """A script of tools/ or recipes/ (no package) loaded as a module, e.g. load_script("tools/gpu_check.py")."""
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 TEXT_VOCAB = 20
 SEMANTIC_VOCAB = 12

@@ -1,19 +1,17 @@
 """tools/gpu_check.py's table from benchmark reports (the GPU runs themselves need a GPU)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/gpu_check.py")
 
 
 def report(scale: float) -> dict:
@@ -129,9 +127,7 @@ def test_gpu_profile_sorts_kernels_into_classes_per_token():
     are left out."""
     from types import SimpleNamespace as Event
 
-    spec = importlib.util.spec_from_file_location("gpu_profile", ROOT / "tools" / "gpu_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("tools/gpu_profile.py")
     events = [Event(key="sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize32x32x8", count=20, self_device_time_total=160.0),
               Event(key="void gemvNSP_kernel<float, float, float, float, 1, 32>", count=10, self_device_time_total=20.0),
               Event(key="void cublasLt::splitKreduce_kernel<32, 16, int, float>", count=30, self_device_time_total=45.0),

@@ -29,5 +29,8 @@ echo '"""Import stub: audiolm-pytorch trainer imports wandb at import time; tts_
 cat > .gpu/setup.sh <<'SETUP'
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD/.gpu/stubs:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/ext
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+# the last loan's compiled graphs, where its archive was copied here (tools/compile_cache.py)
+if [ -f .gpu/compile-cache.tar.gz ]; then python3 tools/compile_cache.py load .gpu/compile-cache.tar.gz || true; fi
 SETUP
 echo "prepared .gpu/ ($(du -sh .gpu | cut -f1))"

@@ -18,6 +18,10 @@ session here has minutes of device time; what did not fit is listed under "skipp
    shipped model only (docs/gpu.md);
 5. only when named: width1024/recorded, shipped/blas.
 
+With --cache-out DIR it packs torch.compile's cache into DIR/compile-cache.tar.gz at the end
+(tools/compile_cache.py): copied into .gpu/ here, `.gpu/setup.sh` unpacks it before the next loan's
+first compile.
+
 One JSON, benchmarks/gpu_<device>.json, is rewritten after every stage: each benchmark run, the tests'
 exit status, and the table this prints (each row's tokens/s eager and compiled, compiled / eager, each
 speculative row's speedup over its plain baseline on both paths, the first call's compile time).
@@ -146,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exactness", type=int, default=0, metavar="N",
                    help="held-out sentences for recipes/device_check.py --compile (0: skip that stage)")
     p.add_argument("--out", type=Path, help="default: benchmarks/gpu_<device>.json")
+    p.add_argument("--cache-out", type=Path, metavar="DIR",
+                   help="at the end, pack torch.compile's cache into DIR/compile-cache.tar.gz for the next loan "
+                        "(tools/compile_cache.py; on the device tool: --cache-out $OUT)")
     p.add_argument("--bench", nargs=argparse.REMAINDER, default=DEFAULT_BENCH,
                    help="the rest goes to every recipes/benchmark.py run instead of: " + " ".join(DEFAULT_BENCH))
     args = p.parse_args(argv)
@@ -205,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     save()
     print_table(result["table"], device)
     print(f"\nwrote {out} ({time.perf_counter() - t0:.0f} s)")
+    if args.cache_out is not None:  # what this loan compiled, for the next one (.gpu/setup.sh loads it)
+        sys.path.insert(0, str(ROOT / "tools"))
+        from compile_cache import save as save_cache
+
+        save_cache(args.cache_out)
     return 1 if result["pytest_cuda_rc"] or result["exactness_rc"] or result["errors"] else 0
 
 
