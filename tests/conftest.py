@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import itertools
 import math
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -21,11 +22,14 @@ from tts_specdec._upstream import TextToSemantic, quiet_progress
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_script(relative: str) -> ModuleType:
-    """A script of tools/ or recipes/ (no package) loaded as a module, e.g. load_script("tools/gpu_check.py")."""
+def load_script(relative: str, name: str | None = None) -> ModuleType:
+    """A script of tools/ or recipes/ (no package) loaded as a module `name` (default: its file's stem),
+    e.g. load_script("tools/gpu_check.py"); registered in sys.modules unless a module of that name is,
+    since its dataclasses look their module up there."""
     path = REPO / relative
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)
     spec.loader.exec_module(module)
     return module
 

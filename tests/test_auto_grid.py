@@ -1,21 +1,16 @@
 """tools/auto_grid.py's bookkeeping: the ratios each cell reports, the interleaved passes, the token check
 and its refusals of bad arguments (the timings themselves are not tested)."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tts_specdec.results import DecodeStats
+from conftest import load_script
 
-_spec = importlib.util.spec_from_file_location("auto_grid", Path(__file__).resolve().parents[1] / "tools/auto_grid.py")
-auto_grid = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("auto_grid", auto_grid)  # its dataclasses look their module up there
-_spec.loader.exec_module(auto_grid)
+auto_grid = load_script("tools/auto_grid.py")
 
 
 def scripted(name: str, tokens: list[int], order: list[str], out=None) -> auto_grid.Mode:

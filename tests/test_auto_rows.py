@@ -1,13 +1,11 @@
 """tools/auto_rows.py on a small batch: its timing wrapper changes nothing decoded (greedy: every mode keeps
 the same tokens), and every row count of the batch is reported (its timings are not tested)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("auto_rows", Path(__file__).resolve().parents[1] / "tools/auto_rows.py")
-auto_rows = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(auto_rows)
+from conftest import load_script
+
+auto_rows = load_script("tools/auto_rows.py")
 
 
 def test_rows_table_counts_every_kept_token(tmp_path):

@@ -1,17 +1,11 @@
 """recipes/benchmark.py's bounds: Leviathan et al.'s expected improvement and its verify-cost form."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from tts_specdec.results import DecodeStats
+from conftest import load_script
 
-_spec = importlib.util.spec_from_file_location("benchmark", Path(__file__).resolve().parents[1] / "recipes/benchmark.py")
-benchmark = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("benchmark", benchmark)  # its dataclasses look their module up there
-_spec.loader.exec_module(benchmark)
+benchmark = load_script("recipes/benchmark.py")
 
 
 def test_bound_is_leviathans_closed_form_at_unit_verify_cost():

@@ -1,11 +1,8 @@
 """recipes/device_check.py on the CPU: the equivalences it repeats on a GPU, reported per dtype."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -13,9 +10,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_each_dtype_is_checked_and_reported(capsys):
     """float32 and the model converted to bfloat16: every speculative mode equals its plain mode on the
     CPU (a half-precision model computes in float32 there), one verdict per dtype, exit status 0."""
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "recipes" / "device_check.py")
-    device_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(device_check)
+    device_check = load_script("recipes/device_check.py")
     rc = device_check.main(["--device", "cpu", "--sentences", "2", "--batch", "2", "--beam-size", "2",
                             "--dtype", "float32", "bfloat16"])
     out = capsys.readouterr().out

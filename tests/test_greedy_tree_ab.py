@@ -1,13 +1,11 @@
 """tools/greedy_tree_ab.py on one sentence: its trees (speculative beam search with one beam, spear-tts's
 semantics) follow greedy decoding's path, and it reports every mode (its timings are not tested)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("greedy_tree_ab", Path(__file__).resolve().parents[1] / "tools/greedy_tree_ab.py")
-greedy_tree_ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(greedy_tree_ab)
+from conftest import load_script
+
+greedy_tree_ab = load_script("tools/greedy_tree_ab.py")
 
 
 def test_trees_decode_greedy_tokens_with_a_weaker_head(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ from tts_specdec.speech.audio import wav_samples
 from tts_specdec.speech.checkpoint import save_checkpoint
 from tts_specdec.speech.manifest import OK
 from test_speech_checkpoint import tiny_checkpoint
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "synthesize.py"
@@ -121,10 +121,7 @@ def test_torchrun_two_processes_write_what_one_process_writes(tmp_path, checkpoi
 
 
 def recipe_module():
-    spec = importlib.util.spec_from_file_location("synthesize_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("recipes/synthesize.py", "synthesize_recipe")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -2,7 +2,6 @@
 mistake on its command line is one line and exit status 2."""
 
 import argparse
-import importlib.util
 import os
 import pickle
 import subprocess
@@ -18,13 +17,11 @@ from tts_specdec.speech.checkpoint import save_checkpoint
 from tts_specdec.speech.dataset import PairedData, load_pairs, save_pairs
 from tts_specdec.speech.units import fit_kmeans, load_centroids, save_kmeans
 from test_speech_checkpoint import tiny_checkpoint
+from conftest import load_script
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes/train.py"
 
-_spec = importlib.util.spec_from_file_location("train_recipe", RECIPE)
-train = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("train_recipe", train)
-_spec.loader.exec_module(train)
+train = load_script("recipes/train.py", "train_recipe")
 
 
 class Planted:

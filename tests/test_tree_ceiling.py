@@ -1,14 +1,11 @@
 """tools/tree_ceiling.py's count of tokens per cycle for chains and token trees on hand-built ranks, and
 its count of a tree's nodes (the ranks a model gives are not tested)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_spec = importlib.util.spec_from_file_location("tree_ceiling", Path(__file__).resolve().parents[1] / "tools/tree_ceiling.py")
-tree_ceiling = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tree_ceiling)
+from conftest import load_script
+
+tree_ceiling = load_script("tools/tree_ceiling.py")
 per_cycle, cycle, nodes = tree_ceiling.tokens_per_cycle, tree_ceiling.cycle_tokens, tree_ceiling.sub_chain_nodes
 
 
