@@ -1583,3 +1583,36 @@ def test_auto_beam_policy_takes_its_steps_per_cycle_from_the_calibrated_prior(mo
     costs.beam_policy(dec, 1, 4, 5, False)
     assert seen == [pytest.approx(beam_steps_per_cycle({2: (230.0, 100.0)}, (1, 2)))]
     assert seen[0][0] > BEAM_PRIOR_STEPS[0]
+
+
+def test_cost_model_takes_each_timing_at_its_fastest_repetition(monkeypatch):
+    """Load elsewhere only ever slows a timing, and a burst of it can cover most repetitions of one timing
+    and none of another's: the cost model is that of the unslowed timings (with medians, the slowed
+    repetitions below would set every timing and skew the ratios the choice rests on)."""
+    dec = SpeculativeDecoder(make_model(0))
+    dec.decoder.begin()
+    places = len(measure.SAMPLE_GAMMAS) + (1 if dec.decoder.backend.fused_plain else 0)  # timings per round
+
+    def measured(slow) -> auto.CostModel:
+        calls = [0]
+
+        def synthetic(device, fn):
+            out = fn()
+            rep, place = divmod(calls[0], places)
+            calls[0] += 1
+            factor = slow(rep, place)
+            seconds = 1e-3 * (1.0 + 0.25 * place) * factor
+            if isinstance(out, float):  # probe_cycle: the draft phase's seconds, inside the cycle's
+                return seconds, 1e-4 * place * factor
+            return seconds, out
+
+        monkeypatch.setattr(measure, "_timed", synthetic)
+        with torch.inference_mode():
+            return measure.measure_sampling(dec.decoder)
+
+    quiet = measured(lambda rep, place: 1.0)
+    # three of the five timed rounds (round 0 is the untimed warm-up) slowed, by a factor and in rounds
+    # that differ from timing to timing
+    bursts = measured(lambda rep, place: 1.0 + (0.5 + 0.4 * place) * (rep in ((1, 2, 3), (3, 4, 5))[place % 2]))
+    assert bursts == quiet
+    assert measure.fastest([3.0, 1.0, 2.0]) == 1.0

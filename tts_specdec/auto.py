@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 
 AUTO = "auto"
 MAX_GAMMA = 10  # most drafts per cycle auto considers (and measures v for)
-# speculation must be predicted to beat plain decoding by 5%: the costs are medians of a few timings and
+# speculation must be predicted to beat plain decoding by 5%: the costs are the fastest of a few timings and
 # the acceptance an estimate, so a predicted tie is a likely loss
 MARGIN = 1.05
 PRIOR_ALPHA = 0.8  # acceptance assumed before any draft was judged (typical for a trained exit head)
