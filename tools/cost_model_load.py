@@ -4,10 +4,10 @@
 its fastest repetition (`measure.fastest`). This tool measures the cost model `--reps` times that way and
 `--reps` times with each timing's median instead, alternated in one process, first on the quiet machine,
 then while `--busy` processes each spin for 20-300 ms and sleep for 20-500 ms at random (a test suite or
-another job beside a decoder's first call). It prints c, v(5), v(11), the plain step, and the gamma the
+another job beside a decoder's first call), or spin throughout (`--steady`). It prints c, v(5), v(11), the plain step, and the gamma the
 model picks at acceptance 0.8 / 0.9 / 1 (`auto.choose_gamma`; at 1: the longest auto drafts with stops).
 
-    .venv/bin/python tools/cost_model_load.py --widen 512 8 --reps 4 [--busy 2] [--json F]
+    .venv/bin/python tools/cost_model_load.py --widen 512 8 --reps 4 [--busy 2] [--steady] [--json F]
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ while True:
         pass
     time.sleep(random.uniform(0.02, 0.5))
 """
+STEADY = """
+while True:
+    pass
+"""
 STATS = {"fastest": min, "median": statistics.median}
 
 
@@ -51,6 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--widen", type=int, nargs="+", default=[512, 8], metavar="N", help="DIM HEADS [DEPTH]; 0: shipped size")
     p.add_argument("--reps", type=int, default=4, help="measurements per statistic and load")
     p.add_argument("--busy", type=int, default=2, help="busy processes while loaded (0: quiet only)")
+    p.add_argument("--steady", action="store_true", help="the busy processes spin throughout, not in bursts")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
@@ -67,7 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
     loads = ("quiet", "loaded") if args.busy else ("quiet",)
     try:
         for load in loads:
-            busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(args.busy if load == "loaded" else 0)]
+            busy = [subprocess.Popen([sys.executable, "-c", STEADY if args.steady else BUSY])
+                    for _ in range(args.busy if load == "loaded" else 0)]
             try:
                 for _ in range(args.reps):
                     for name, stat in STATS.items():
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
             print("   ", "  ".join(f"{k} {v}" for k, v in row.items()))
     report = {"command": " ".join(["tools/cost_model_load.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine": machine_info("cpu"), "model": setup.description, "threads": args.threads, "busy": args.busy,
+              "pattern": "steady" if args.steady else "bursts",
               "measurements": out}
     if args.json:
         write_json(args.json, report)
