@@ -27,7 +27,6 @@ sys.path.insert(0, str(ROOT / "recipes"))
 
 from tts_specdec import SpeculativeDecoder, measure  # noqa: E402
 from tts_specdec.auto import MAX_GAMMA, CostModel, choose_gamma  # noqa: E402
-from tts_specdec.inputs import eval_mode, walk  # noqa: E402
 from tts_specdec.speech.atomic import write_json  # noqa: E402
 
 BUSY = """
@@ -80,10 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
                 for _ in range(args.reps):
                     for name, stat in STATS.items():
                         measure.fastest = stat
-                        modules, params = walk(dec.model)
-                        dec.decoder.begin(params)
-                        with eval_mode(dec.model, modules):
-                            out.setdefault(f"{load}, {name}", []).append(summary(measure.measure_sampling(dec.decoder)))
+                        dec.costs = measure.Costs()  # nothing kept: `cost_model` measures afresh
+                        out.setdefault(f"{load}, {name}", []).append(summary(dec.cost_model()))
             finally:
                 for proc in busy:
                     proc.kill()
