@@ -88,6 +88,12 @@ def test_speculative_modes_equal_plain_modes_in_half_precision(half, source, lay
     for gamma, width in ((1, 6), (2, 3)):
         spec = dec.beam_search(source, beam_size=3, gamma=gamma, draft_width=width, max_length=MAX_LEN)
         assert tokens(spec) == tokens(beam)
-        # scores to float32 rounding: for the guided model they differ in the last bit, as they do for its
-        # float32 copy (which test_half_model_decodes_as_its_float32_copy shows decodes the same)
-        assert spec.scores == pytest.approx(beam.scores, rel=1e-6, abs=1e-6)
+        # scores to float32 rounding: on torch's path a tree pass's attention sums hidden keys as zeros
+        # (docs/design.md), which can move a step's log-prob by a few float32 ulps, scaled by cond_scale
+        # through guidance, in each of up to MAX_LEN steps (as for the float32 copy, which
+        # test_half_model_decodes_as_its_float32_copy shows decodes the same); on an AMD EPYC (Zen 4) the
+        # guided float16 model's differed by 2.6e-6 relative, above the 1e-6 this test asked before
+        tol = 4 * MAX_LEN * cond_scale * torch.finfo(torch.float32).eps
+        if layout == "kernel":  # the kernels sum only the keys a node sees: the bits of a beam step
+            tol = 0.0
+        assert spec.scores == pytest.approx(beam.scores, rel=tol, abs=tol)

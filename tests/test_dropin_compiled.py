@@ -65,9 +65,11 @@ def test_compiled_dropin_equals_uncompiled_dropin(models, seed, name):
     assert model.__dict__[_CACHE][("text", "speech", BACKEND)][1].decoder.backend.name == "compiled"
     again = model.generate(source, **kw)
     assert not counters["graph_break"]
-    # beam search without spec_decode runs under gamma="auto", which may take the other arm (plain or
-    # speculative beam search) on a later call, as its timings decide: that call compiles its graphs
-    if kwargs.get("spec_decode") or not kwargs.get("beam_search_decode"):
+    # without spec_decode the drop-in decodes under gamma="auto", whose choices follow its timings: beam
+    # search may take the other arm (plain or speculative beam search) on a later call, greedy decoding
+    # a gamma the first call did not draft (under load in CI on an AMD EPYC: a 14th graph after 13), and
+    # that call compiles its graphs. With spec_decode the path is fixed and compiles nothing again
+    if kwargs.get("spec_decode"):
         assert counters["stats"]["unique_graphs"] == graphs
     for got in (out, again):
         got, want = (got, ref) if isinstance(ref, tuple) else ((got,), (ref,))
