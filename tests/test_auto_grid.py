@@ -106,3 +106,25 @@ def test_bad_arguments_are_refused_by_name(capsys, args, match):
     with pytest.raises(SystemExit):
         auto_grid.main(args)
     assert re.search(match, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("family", ["sample", "greedy", "beam"])
+def test_a_null_grid_runs_the_auto_column_with_gamma_0(family):
+    """`--null` (an A/A grid): the auto column asks for plain decoding's work, the others are unchanged."""
+    asked = []
+
+    class Fake:
+        def sample(self, source, **kw):
+            asked.append(kw["gamma"])
+            return SimpleNamespace(stats=DecodeStats(generated_tokens=1), tokens=[torch.tensor([1])])
+
+        beam_search = sample
+
+    for null in (False, True):
+        asked.clear()
+        modes = auto_grid.modes(Fake(), family, [("batch0", 8)], seed=0, null=null)
+        assert [m.name for m in modes] == ["plain", "fixed", "auto"]
+        for m in modes:
+            m.calls[0](1)
+        fixed = auto_grid.BEAM_GAMMA if family == "beam" else auto_grid.FIXED_GAMMA
+        assert asked == [0, fixed, 0 if null else "auto"]

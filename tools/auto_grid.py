@@ -17,6 +17,7 @@ under auto and the fixed setting: a cell where they do not is reported and the t
     python tools/auto_grid.py --json benchmarks/auto_grid.json         # the full grid (about an hour)
     python tools/auto_grid.py --quick                                   # shipped model, batch 1-2, 1 thread
     python tools/auto_grid.py --models width512 --batches 1 --threads 2 --families greedy --reps 5
+    python tools/auto_grid.py --null --models shipped --families sample greedy   # the grid's own noise
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def batches(dec: SpeculativeDecoder, sentences: int, batch: int) -> list[tuple[t
     return [(s, default_max_length(s)) for s in sources]
 
 
-def modes(dec: SpeculativeDecoder, family: str, inputs: list[tuple[torch.Tensor, int]], seed: int) -> list[Mode]:
-    """plain, fixed and auto of one family over `inputs`."""
+def modes(dec: SpeculativeDecoder, family: str, inputs: list[tuple[torch.Tensor, int]], seed: int,
+          null: bool = False) -> list[Mode]:
+    """plain, fixed and auto of one family over `inputs`; `null`: the auto column decodes with gamma 0."""
     if family == "beam":
         method, settings = "beam_search", {"plain": dict(gamma=0), "fixed": dict(gamma=BEAM_GAMMA),
                                            "auto": dict(gamma="auto")}
@@ -111,6 +113,8 @@ def modes(dec: SpeculativeDecoder, family: str, inputs: list[tuple[torch.Tensor,
             return out.stats.generated_tokens, out.stats, [t.tolist() for t in out.tokens]
         return go
 
+    if null:
+        settings["auto"] = dict(gamma=0)
     return [Mode(name, [call(setting, i) for i in range(len(inputs))]) for name, setting in settings.items()]
 
 
@@ -206,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="a small grid to check the tool: shipped model, batches 1 and 2, 1 thread, 3 passes "
                         "(flags given explicitly still apply)")
+    p.add_argument("--null", action="store_true",
+                   help="an A/A run: the auto column decodes with gamma=0, the same work as plain, so its "
+                        "ratios show what the grid's noise alone gives a mode exactly as fast as plain")
     p.add_argument("--json", type=Path, help="also write the cells here")
     args = p.parse_args(argv)
     if args.quick:
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             for batch in args.batches:
                 inputs = batches(dec, args.sentences, batch)
                 for family in args.families:
-                    cell_modes = modes(dec, family, inputs, args.seed)
+                    cell_modes = modes(dec, family, inputs, args.seed, args.null)
                     same = measure(cell_modes, args.reps)
                     cells.append(cell_result(model, threads, batch, family, cell_modes, same))
                     c = cells[-1]
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.json, {"machine": machine(), "sentences": args.sentences, "reps": args.reps,
                                "beam_size": BEAM_SIZE, "fixed_gamma": FIXED_GAMMA, "beam_gamma": BEAM_GAMMA,
-                               "cells": cells})
+                               "null": args.null, "cells": cells})
     return 0 if all(c["same_tokens"] in (True, None) for c in cells) else 1
 
 
