@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{model} threads {threads} batch {batch} {family}: auto/plain {c['auto_vs_plain']:.3f} "
                           f"auto/best {c['auto_vs_best']:.3f} fixed/plain {c['fixed_vs_plain']:.3f}"
                           f"{'' if c['same_tokens'] in (True, None) else '  TOKENS DIFFER'}", file=sys.stderr, flush=True)
+    if args.null:
+        print("An A/A grid (--null): the auto column decoded with gamma=0, the same work as plain.")
     print(table(cells))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
