@@ -1,7 +1,9 @@
 """tools/auto_grid.py's bookkeeping: the ratios each cell reports, the interleaved passes, the token check
 and its refusals of bad arguments (the timings themselves are not tested)."""
 
+import random
 import re
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -87,12 +89,34 @@ def test_cell_ratios():
     assert cell["auto_vs_plain"] == pytest.approx(1.4) and cell["auto_vs_best"] == pytest.approx(140 / 150)
     assert cell["fixed_vs_plain"] == pytest.approx(1.5) and cell["per_pass_auto_vs_plain"] == pytest.approx([1.4] * 3)
     assert cell["per_pass_auto_vs_best"] == pytest.approx([140 / 150] * 3)
-    assert "| shipped | 1 | 2 | greedy | 100.0 | 1.50 | 1.40 | 0.93 | 0.93-0.93 |" in auto_grid.table([cell])
+    assert cell["auto_vs_best_interval"] == pytest.approx([140 / 150] * 2)  # the passes agree: no spread
+    assert "| shipped | 1 | 2 | greedy | 100.0 | 1.50 | 1.40 | 0.93 | 0.93-0.93 | 0.93-0.93 |" in auto_grid.table([cell])
     modes[2].times = [1.0, 2.0, 1.4]  # a slow third pass: the median holds, the range shows it
     spread = auto_grid.cell_result("shipped", 1, 2, "greedy", modes, True)
     assert spread["auto_vs_best"] == pytest.approx(140 / 150)
-    assert "| 0.93 | 0.67-0.93 |" in auto_grid.table([spread])
+    assert "| 0.93 | 0.67-0.93 | 0.67-0.93 |" in auto_grid.table([spread])
     assert auto_grid.cell_result("shipped", 1, 2, "sample", modes, False)["same_tokens"] is None  # sampled: no check
+
+
+def test_the_interval_is_a_bootstrap_over_passes_with_the_modes_paired():
+    """Passes drawn with replacement, a pass's modes together: where auto is 0.95 of plain in every pass
+    while whole passes move by 2x (load), the interval is 0.95 exactly; where auto's own speed scatters
+    around plain's it is wide and holds the cell's ratio; the same passes give the same interval."""
+    load = [1.0, 2.0, 0.5, 1.5, 1.2, 0.8, 1.1, 0.9, 1.7, 0.6, 1.3, 1.0, 0.7, 1.4, 1.05]
+    paired = {"plain": [100 * x for x in load], "fixed": [80 * x for x in load], "auto": [95 * x for x in load]}
+    assert auto_grid.interval(paired) == pytest.approx((0.95, 0.95))
+    rng = random.Random(1)
+    scattered = {"plain": [100.0] * 15, "fixed": [80.0] * 15, "auto": [100 * rng.uniform(0.85, 1.1) for _ in range(15)]}
+    lo, hi = auto_grid.interval(scattered)
+    assert lo < statistics.median(scattered["auto"]) / 100 < hi and hi - lo > 0.03
+    assert auto_grid.interval(scattered) == (lo, hi)
+
+
+def test_the_verdict_counts_cells_below_the_line_only_where_the_interval_is():
+    cells = [dict(model="shipped", threads=1, batch=b, family="sample", auto_vs_best_interval=iv)
+             for b, iv in ((2, [0.90, 0.96]), (4, [0.93, 0.99]), (8, [0.97, 1.02]))]
+    assert auto_grid.verdict(cells) == ("auto / best against 0.97: 1 cells below it for sure (shipped 1t b2 sample), "
+                                        "1 undecided by the passes, 1 at or above it (90% intervals)")
 
 
 @pytest.mark.parametrize("args, match", [

@@ -8,7 +8,9 @@ gamma 1 at the default draft width, the width auto uses) and gamma="auto". One u
 `--reps` passes; a pass runs each batch of sentences in the three modes one after another, in an order
 that rotates from batch to batch and pass to pass (interleaved call by call: load elsewhere, which on
 this 2-core machine moved whole passes by 10-20%, hits the modes alike); a mode's speed is its median
-tokens/s over the passes. Sampling draws with a seed per batch and pass, the same in every mode of a
+tokens/s over the passes, and auto / the faster of plain and the fixed setting comes with a 90% bootstrap
+interval over the passes (`interval`), which tells a cell where auto is slower from one where the grid's
+noise alone put it below a line. Sampling draws with a seed per batch and pass, the same in every mode of a
 pass, so a mode's median is over several draws, not one draw repeated. One
 `SpeculativeDecoder` per model serves every cell, as it would a user's session: what auto measures
 and learns is kept across its calls. Greedy decoding and beam search must return plain decoding's tokens
@@ -18,12 +20,14 @@ under auto and the fixed setting: a cell where they do not is reported and the t
     python tools/auto_grid.py --quick                                   # shipped model, batch 1-2, 1 thread
     python tools/auto_grid.py --models width512 --batches 1 --threads 2 --families greedy --reps 5
     python tools/auto_grid.py --null --models shipped --families sample greedy   # the grid's own noise
+    python tools/auto_grid.py --models shipped --batches 4 8 --families sample --reps 15   # tight intervals
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -50,6 +54,11 @@ FIXED_GAMMA = 4  # the fixed speculative setting of sampling and greedy decoding
 # docs/performance.md), and auto runs it there, so this column understates the best fixed setting there
 BEAM_GAMMA = 1
 MIN_REPS = 3  # fewer passes give no median worth the name
+# the bootstrap of a cell's auto / best (`interval`): its resamples, and the share of them outside the interval
+# on each side (5%: a 90% interval); seeded, so a cell's passes give the same interval every time
+LINE = 0.97  # what auto must reach of the faster setting in every cell (`verdict`)
+BOOTSTRAP_DRAWS = 2000
+BOOTSTRAP_TAIL = 0.05
 QUICK = dict(models=["shipped"], batches=[1, 2], threads=[1], reps=3)
 
 
@@ -150,6 +159,23 @@ def _add(a: list[int], b: list[int]) -> list[int]:
     return [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))]
 
 
+def interval(per_pass: dict[str, list[float]], draws: int = BOOTSTRAP_DRAWS, tail: float = BOOTSTRAP_TAIL) -> tuple[float, float]:
+    """The percentile bootstrap interval of auto / the faster of plain and fixed (each a median of tokens/s
+    over the passes): passes drawn with replacement, a pass's three modes together (they ran side by side,
+    so load that slowed one pass slowed its modes alike). With 3 passes it is coarse (10 distinct resamples);
+    with 15 or more it shows whether auto is below a line for real or by the grid's noise. Pure: the same
+    passes give the same interval."""
+    n = len(per_pass["auto"])
+    draw = random.Random(0)
+    ratios = []
+    for _ in range(draws):
+        picks = [draw.randrange(n) for _ in range(n)]
+        med = {m: statistics.median(per_pass[m][i] for i in picks) for m in ("plain", "fixed", "auto")}
+        ratios.append(med["auto"] / max(med["plain"], med["fixed"]))
+    ratios.sort()
+    return ratios[int(tail * (draws - 1))], ratios[int((1 - tail) * (draws - 1))]
+
+
 def cell_result(model: str, threads: int, batch: int, family: str, cell_modes: list[Mode], same: bool) -> dict:
     speed = {m.name: m.tokens_per_s for m in cell_modes}
     best = max(speed["plain"], speed["fixed"])
@@ -165,23 +191,35 @@ def cell_result(model: str, threads: int, batch: int, family: str, cell_modes: l
         # the spread of one pass's ratio: where auto does plain's work (beam cells decoding plainly) it
         # spans the machine's noise, which a cell's median shares
         "per_pass_auto_vs_best": per_pass_best,
+        "auto_vs_best_interval": list(interval(per_pass)),  # 90%, bootstrap over the passes
         "auto_gamma_hist": next(m.gamma_hist for m in cell_modes if m.name == "auto"),
         "same_tokens": same if family != "sample" else None,
     }
 
 
 def table(cells: list[dict]) -> str:
-    """The grid as a markdown table: auto / plain and auto / the faster of plain and fixed, per cell, and
-    the range of auto / the faster over the passes (each pass's own ratio)."""
-    lines = ["| model | threads | batch | family | plain tok/s | fixed / plain | auto / plain | auto / best | one pass |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """The grid as a markdown table: auto / plain and auto / the faster of plain and fixed, per cell, its
+    90% interval (`interval`), and the range of auto / the faster over the passes (each pass's own ratio)."""
+    lines = ["| model | threads | batch | family | plain tok/s | fixed / plain | auto / plain | auto / best | 90% interval | one pass |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         flag = "" if c["same_tokens"] in (True, None) else " (tokens differ!)"
         lo, hi = min(c["per_pass_auto_vs_best"]), max(c["per_pass_auto_vs_best"])
         lines.append(f"| {c['model']} | {c['threads']} | {c['batch']} | {c['family']} | {c['tokens_per_s']['plain']:.1f} | "
                      f"{c['fixed_vs_plain']:.2f} | {c['auto_vs_plain']:.2f} | {c['auto_vs_best']:.2f}{flag} | "
-                     f"{lo:.2f}-{hi:.2f} |")
+                     "{:.2f}-{:.2f} | {:.2f}-{:.2f} |".format(*c["auto_vs_best_interval"], lo, hi))
     return "\n".join(lines)
+
+
+def verdict(cells: list[dict], line: float = LINE) -> str:
+    """How many cells' intervals lie wholly below `line` (auto slower for real), straddle it (the passes
+    cannot tell) or lie at or above it, naming the cells below."""
+    below = [c for c in cells if c["auto_vs_best_interval"][1] < line]
+    above = [c for c in cells if c["auto_vs_best_interval"][0] >= line]
+    names = ", ".join(f"{c['model']} {c['threads']}t b{c['batch']} {c['family']}" for c in below)
+    return (f"auto / best against {line}: {len(below)} cells below it for sure{f' ({names})' if below else ''}, "
+            f"{len(cells) - len(below) - len(above)} undecided by the passes, {len(above)} at or above it "
+            f"(90% intervals)")
 
 
 def machine() -> dict:
@@ -246,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.null:
         print("An A/A grid (--null): the auto column decoded with gamma=0, the same work as plain.")
     print(table(cells))
+    print(verdict(cells))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.json, {"machine": machine(), "sentences": args.sentences, "reps": args.reps,
