@@ -54,11 +54,12 @@ FIXED_GAMMA = 4  # the fixed speculative setting of sampling and greedy decoding
 # docs/performance.md), and auto runs it there, so this column understates the best fixed setting there
 BEAM_GAMMA = 1
 MIN_REPS = 3  # fewer passes give no median worth the name
+LINE = 0.97  # what auto must reach of the faster setting in every cell (`verdict`)
 # the bootstrap of a cell's auto / best (`interval`): its resamples, and the share of them outside the interval
 # on each side (5%: a 90% interval); seeded, so a cell's passes give the same interval every time
-LINE = 0.97  # what auto must reach of the faster setting in every cell (`verdict`)
 BOOTSTRAP_DRAWS = 2000
 BOOTSTRAP_TAIL = 0.05
+LEVEL = f"{round(100 * (1 - 2 * BOOTSTRAP_TAIL))}%"  # how the table and `verdict` name the interval
 QUICK = dict(models=["shipped"], batches=[1, 2], threads=[1], reps=3)
 
 
@@ -200,7 +201,7 @@ def cell_result(model: str, threads: int, batch: int, family: str, cell_modes: l
 def table(cells: list[dict]) -> str:
     """The grid as a markdown table: auto / plain and auto / the faster of plain and fixed, per cell, its
     90% interval (`interval`), and the range of auto / the faster over the passes (each pass's own ratio)."""
-    lines = ["| model | threads | batch | family | plain tok/s | fixed / plain | auto / plain | auto / best | 90% interval | one pass |",
+    lines = [f"| model | threads | batch | family | plain tok/s | fixed / plain | auto / plain | auto / best | {LEVEL} interval | one pass |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         flag = "" if c["same_tokens"] in (True, None) else " (tokens differ!)"
@@ -219,7 +220,7 @@ def verdict(cells: list[dict], line: float = LINE) -> str:
     names = ", ".join(f"{c['model']} {c['threads']}t b{c['batch']} {c['family']}" for c in below)
     return (f"auto / best against {line}: {len(below)} cells below it for sure{f' ({names})' if below else ''}, "
             f"{len(cells) - len(below) - len(above)} undecided by the passes, {len(above)} at or above it "
-            f"(90% intervals)")
+            f"({LEVEL} intervals)")
 
 
 def machine() -> dict:
