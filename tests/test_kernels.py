@@ -141,8 +141,8 @@ def isa_restored():
 def test_row_result_independent_of_batch(threads, isa_restored):
     """A row's product is the same to the bit whatever rows share the call, on every instruction set:
     few rows take several panels per tile, more rows one tile of up to 6 (AVX2) or 14 (AVX-512) rows, many
-    rows several tiles (AVX-512: of up to 7 rows x 4 panels), all in the same summation order (speculative
-    == plain relies on it)."""
+    rows several tiles (AVX-512: of up to 7 rows x 4 panels; float32 beyond 7 rows strips of up to 8 rows x 1
+    panel over chunks of 4 slabs), all in the same summation order (speculative == plain relies on it)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -166,7 +166,8 @@ def test_row_result_independent_of_batch(threads, isa_restored):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_streamed_weights_sum_as_cache_resident_ones(threads, isa_restored):
     """A matrix beyond 1 MB streams from memory and takes other tiles (unrolled term loops, tiles that
-    share the asks ahead: `small_gemm.cpp`'s kStreamBytes): every row count gives each row's bits alone,
+    share the asks ahead: `small_gemm.cpp`'s kStreamBytes; float32 strips over chunks that end within a
+    group's terms, 21 slabs in chunks of 4): every row count gives each row's bits alone,
     and the bits of the same columns multiplied as cache-resident slices (the same sums in the same
     order), a last slab of an odd number of terms and a partial group of panels included."""
     before = torch.get_num_threads()
