@@ -152,10 +152,10 @@ constexpr int kTermUnroll = 2, kUnrollFromRows = 4;
 // More than 7 rows of float32 panels: strips of up to 8 rows x 1 panel over chunks of 4 slabs (32 KB, L1),
 // their running sums in registers (18 of them), not the tiles above, whose partial sums go through
 // memory every slab. Measured on the AMD EPYC (Zen 4), 2 threads, the two alternated in one process
-// (medians of 7-9 passes, x one row over 126 MB streamed): (512, 1536) matrices 16 rows 1.38x against
-// 1.50x, 24 rows 1.89x against 2.05x, 32 rows 2.40x against 2.65x; (2048, 512) 12 rows 1.41x against
-// 1.88x; (512, 512) 16 rows 1.29x against 1.49x; in the caches 3-8% more GFLOPS at 12-32 rows, 7-8 rows
-// a wash. Chunks of 8 slabs (64 KB, beyond L1) ran 15-30% slower, of 2 as fast as 4. bfloat16 panels
+// (medians of 7 passes, x one row over ~130 MB streamed): (512, 512) matrices 16 rows 1.29x against
+// 1.49x; (2048, 512) 12 rows 1.41x against 1.88x; (512, 1536) 16 rows 1.42x against 1.47x, 32 rows 2.55x
+// against 2.66x (in fresh processes, three pairs, within noise); in the caches 3-8% more GFLOPS at 12-32
+// rows, 7-8 rows a wash. Chunks of 8 slabs (64 KB, beyond L1) ran 15-30% slower, of 2 as fast as 4. bfloat16 panels
 // keep the tiles: strips over a whole group's terms gained them 2-5% in one run, chunked ones were not timed
 constexpr int64_t kStripRows = 8, kStripsAbove = 7, kChunkSlabs = 4;
 template <typename WT>
