@@ -25,8 +25,8 @@ constexpr int64_t kBlock = 32;
 // On a Zen 3 (2 threads, in one process, the same weights both ways) float32 panel by panel ran products
 // of 4-8 rows 5-9% faster over streamed weights and 4-12 rows 3-9% faster in the caches, 1 row as fast
 // streamed and 0-3% slower in the caches; bfloat16 panel by panel ran 1 row 5-7% slower (streamed),
-// 4-20 rows 1-3% faster. The AVX-512 tiles read the same layouts; they have not been timed on the float32
-// one (no AVX-512 machine since): the bits do not depend on it, only the speed.
+// 4-20 rows 1-3% faster. The AVX-512 tiles and strips read the same layouts; the two layouts have not been
+// compared with them: the bits do not depend on it, only the speed.
 template <typename WT>
 constexpr bool kPanelMajor = std::is_same<WT, float>::value;
 

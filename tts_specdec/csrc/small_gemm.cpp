@@ -149,13 +149,14 @@ constexpr int kTermUnroll = 2, kUnrollFromRows = 4;
 #define TTS_FEW_CASES TTS_FEW(1, 4) TTS_FEW(2, 4) TTS_FEW(3, 4) TTS_FEW(4, 4) TTS_FEW(5, 4) TTS_FEW(6, 4)
 #define TTS_WIDE_CASES TTS_WIDE(7) TTS_WIDE(8) TTS_WIDE(9) TTS_WIDE(10) TTS_WIDE(11) TTS_WIDE(12) TTS_WIDE(13) TTS_WIDE(14)
 #define TTS_MANY_CASES TTS_MANY(4) TTS_MANY(5) TTS_MANY(6) TTS_MANY(7)
-// More than 7 rows of float32 panels: strips of up to 8 rows x 1 panel over chunks of 4 slabs (32 KB, L1),
-// their running sums in registers (18 of them), not the tiles above, whose partial sums go through
+// More than 7 rows of float32 panels: strips of up to 8 rows x 1 panel over chunks of 4 slabs (32 KB, of
+// which a strip reads its panel's 8 KB), their running sums in registers (8 running and 8 per slab, 18
+// registers with the weights and the broadcast), not the tiles above, whose partial sums go through
 // memory every slab. Measured on the AMD EPYC (Zen 4), 2 threads, the two alternated in one process
 // (medians of 7 passes, x one row over ~130 MB streamed): (512, 512) matrices 16 rows 1.29x against
 // 1.49x; (2048, 512) 12 rows 1.41x against 1.88x; (512, 1536) 16 rows 1.42x against 1.47x, 32 rows 2.55x
-// against 2.66x (in fresh processes, three pairs, within noise); in the caches 3-8% more GFLOPS at 12-32
-// rows, 7-8 rows a wash. Chunks of 8 slabs (64 KB, beyond L1) ran 15-30% slower, of 2 as fast as 4. bfloat16 panels
+// against 2.66x (16 rows in three pairs of fresh processes: within noise); in the caches 3-8% more GFLOPS
+// at 12-32 rows. They start at 8 rows: at 7 and 8 rows they were within 1-3% of the tiles either way. Chunks of 8 slabs (64 KB, beyond L1) ran 15-30% slower, of 2 as fast as 4. bfloat16 panels
 // keep the tiles: strips over a whole group's terms gained them 2-5% in one run, chunked ones were not timed
 constexpr int64_t kStripRows = 8, kStripsAbove = 7, kChunkSlabs = 4;
 template <typename WT>
