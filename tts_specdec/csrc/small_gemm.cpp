@@ -102,8 +102,6 @@ constexpr int kTermUnroll = 4, kUnrollFromRows = 3;
 // no strips (gemm_tiles.inc): a panel is two vectors here, so a strip with its running sums would hold
 // 3 rows
 constexpr int64_t kStripRows = 0, kStripsAbove = 0, kChunkSlabs = 1;
-template <typename WT>
-constexpr bool kStripsFor = false;
 #define TTS_STRIP_CASES
 using tts::Job;
 #include "gemm_tiles.inc"
@@ -156,11 +154,10 @@ constexpr int kTermUnroll = 2, kUnrollFromRows = 4;
 // (medians of 7 passes, x one row over ~130 MB streamed): (512, 512) matrices 16 rows 1.29x against
 // 1.49x; (2048, 512) 12 rows 1.41x against 1.88x; (512, 1536) 16 rows 1.42x against 1.47x, 32 rows 2.55x
 // against 2.66x (16 rows in three pairs of fresh processes: within noise); in the caches 3-8% more GFLOPS
-// at 12-32 rows. They start at 8 rows: at 7 and 8 rows they were within 1-3% of the tiles either way. Chunks of 8 slabs (64 KB, beyond L1) ran 15-30% slower, of 2 as fast as 4. bfloat16 panels
-// keep the tiles: strips over a whole group's terms gained them 2-5% in one run, chunked ones were not timed
+// at 12-32 rows. They start at 8 rows: at 7 and 8 rows they were within 1-3% of the tiles either way.
+// Chunks of 8 slabs (64 KB, beyond L1) ran 15-30% slower, of 2 as fast as 4. bfloat16 panels keep the
+// tiles: strips over a whole group's terms gained them 2-5% in one run, chunked ones were not timed
 constexpr int64_t kStripRows = 8, kStripsAbove = 7, kChunkSlabs = 4;
-template <typename WT>
-constexpr bool kStripsFor = std::is_same<WT, float>::value;
 #define TTS_STRIP_CASES TTS_STRIP(4) TTS_STRIP(5) TTS_STRIP(6) TTS_STRIP(7) TTS_STRIP(8)
 using tts::Job;
 #include "gemm_tiles.inc"
