@@ -400,6 +400,24 @@ def test_trunk_runs_once_per_token_beyond_rejected_drafts(sources):
     assert plain.stats.layer_evals == [4 * MAX_LEN] * 4
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stopped_rows_run_no_layers_past_their_drafts(sources, temperature):
+    """On the kernels, a row that stopped drafting early (draft stops) runs the trunk only up to its last
+    draft's pass and is verified on its own drafts only: each layer runs each row's proposed drafts and
+    pending token once a cycle, while rows of one batch stop at different depths."""
+    from tts_specdec import kernels
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    model, gamma = make_model(0, eos=False), 8
+    out = SpeculativeDecoder(model).sample(sources[4], temperature=temperature, gamma=gamma, draft_confidence=0.9,
+                                           max_length=MAX_LEN, generator=torch.Generator().manual_seed(3))
+    s = out.stats
+    row_cycles = sum(s.accepted_hist)
+    assert s.drafted < gamma * row_cycles  # rows stopped early
+    assert s.layer_evals == [s.drafted + row_cycles] * 4
+
+
 @pytest.mark.parametrize("cond_scale", [1.0, 3.0], ids=["unguided", "cfg-3"])
 @pytest.mark.parametrize("top_k, top_p", [(None, None), (3, None), (None, 0.7)], ids=["all-tokens", "top-3", "top-p-0.7"])
 @pytest.mark.parametrize("confidence", [None, 0.5], ids=["all", "early-stops"])
@@ -446,6 +464,26 @@ def test_fused_draft_phase_equals_step_by_step(sources, temperature, confidence,
     else:
         assert torch.equal(limit_f, limit_s)
         assert drafts_f.shape[1] < gamma or int(limit_f.min()) < gamma  # some row stopped early
+        # past a row's proposed drafts nothing is defined (the kernel skips a stopped row's passes there and
+        # leaves zeros; the accept rules never read them): compare what each row proposed, its exit states
+        # up to its last draft's and its trunk K/V up to that slot
+        assert drafts_f.shape == drafts_s.shape and exits_f.shape == exits_s.shape
+        steps = drafts_f.shape[1]
+        # the kernel ran no pass for a row past its last draft's: zero exit states and zero trunk K/V there
+        per = 2 if guided else 1  # a sequence's rows: (cond, null) with guidance
+        for r, (p, l) in enumerate(zip(pos.tolist(), limit_f.tolist())):
+            for row in range(per * r, per * r + per) if l < steps else ():
+                assert not exits_f[row, l + 1 :].any() and exits_s[row, l + 1 :].any()
+                assert not k_f[:, row, :, p + l + 1 : p + steps + 1].any()
+        proposed = torch.arange(steps) < limit_f[:, None]  # (seqs, steps)
+        drafts_f, drafts_s = drafts_f * proposed, drafts_s * proposed
+        exits_f = exits_f * dec.per_row(torch.arange(steps + 1) <= limit_f[:, None], guided)[..., None]
+        exits_s = exits_s * dec.per_row(torch.arange(steps + 1) <= limit_s[:, None], guided)[..., None]
+        if q_f is not None:
+            assert torch.equal(q_f * ~proposed[..., None], torch.zeros_like(q_f))  # zero, so finite, past them
+            q_s = q_s * proposed[..., None]
+        written = dec.per_row(torch.arange(k_f.shape[3]) <= (pos + limit_f)[:, None], guided)  # (rows, slots)
+        k_f, k_s = k_f * written[None, :, None, :, None], k_s * written[None, :, None, :, None]
     assert torch.equal(drafts_f, drafts_s)
     assert torch.equal(exits_f, exits_s)
     assert torch.equal(k_f, k_s)

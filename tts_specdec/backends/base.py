@@ -67,10 +67,12 @@ class Backend:
         cache.claim(start, n)
         return end
 
-    def verify(self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache) -> Tensor:
+    def verify(self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
+               real: Tensor | None = None) -> Tensor:
         """The target's pass over `layers` (the ones above the exit, or all) on x, causal by slot:
-        the target's logits (rows, n, V), guidance not mixed."""
-        return self.dec.target_logits(self.run_layers(x, start, layers, enc, cache))
+        the target's logits (rows, n, V), guidance not mixed. real (rows, n) bool or None: the positions
+        whose logits are read; the others are padding, which `run_layers` may skip."""
+        return self.dec.target_logits(self.run_layers(x, start, layers, enc, cache, real=real))
 
     def verify_accept(
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache, drafts: Tensor,

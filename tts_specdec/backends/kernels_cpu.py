@@ -173,7 +173,10 @@ class CpuKernels(TorchEager):
         target = self._target()
         if target is None or enc.guided or x.dtype != torch.float32 or (q is not None and q.dtype != torch.float32):
             return None
-        h = self.run_layers(x, start, layers, enc, cache)
+        # a row that stopped drafting early (`limit`) verifies its proposed drafts only: the positions past
+        # them are padding, which the products skip (the accept rule never reads them)
+        real = None if limit is None else torch.arange(drafts.shape[1] + 1, device=limit.device) <= limit[:, None]
+        h = self.run_layers(x, start, layers, enc, cache, real=real)
         return kernels.verify_accept(target, self._embedding, h.view(-1, h.shape[-1]), drafts, q, limit, cfg.temperature,
                                      cfg.top_k, cfg.top_p, generator)
 
@@ -209,6 +212,10 @@ class CpuKernels(TorchEager):
             *dec._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask, top_k=cfg.top_k, top_p=cfg.top_p,
             guidance=cond_scale if enc.guided else 0.0, confidence=confidence, eos=eos, tail=tail, enc_rows=enc.source)
         taken = out[2].shape[1] + int(tail)  # tokens through the layers, per row
+        if out[3] is not None and out[3].numel():  # early draft stops: a sequence's rows ran up to its limit (and its last draft's pass)
+            evals = (x.shape[0] // out[3].numel()) * int((out[3].clamp_max(taken - 1) + 1).sum())
+        else:
+            evals = x.shape[0] * taken
         for i in layers:
-            dec.layer_evals[i] += x.shape[0] * taken
+            dec.layer_evals[i] += evals
         return out

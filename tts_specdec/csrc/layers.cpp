@@ -377,19 +377,36 @@ std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, co
   int64_t steps = gamma, drafting = seqs;
   for (int64_t d = 0;; ++d) {
     if (d) slots.add_(1);
-    auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, none, first + d + 1, enc_keys, enc_values, cross_mask, enc_rows, none);
+    // a sequence that stopped proposing (early draft stops) needs its pass at step limit (its last
+    // draft's exit state), none after: its rows are padding there (the products skip them, they write
+    // zero K/V past the slots its drafts reach, and their exit states are zero). With several rows the
+    // steps run on for the sequences still drafting, and a stopped one's passes were a verify's padding
+    // too (`CpuKernels.verify_accept`).
+    c10::optional<torch::Tensor> real;
+    if (drafting < seqs) {
+      std::vector<int64_t> live;
+      for (int64_t r = 0; r < rows; ++r)
+        if (d <= limits[r / per]) live.push_back(r);
+      if (int64_t(live.size()) < rows) real = torch::tensor(live, start.options());
+    }
+    auto h = stack.run(x, 0, last, cos, sin, slots, slots, k_all, v_all, none, none, first + d + 1, enc_keys, enc_values, cross_mask, enc_rows, real);
     if (tail) exits.select(1, d).copy_(h);
     if (d == steps) break;  // with tail: the last token's pass
     auto logits = head(h);  // (rows, V), a view of whole-panel rows
     const int64_t V = logits.size(1), ld = logits.stride(0);
     TORCH_CHECK(V <= emb.size(0), "head wider than the embedding table");
-    if (d == 0 && sampling) q = torch::empty({seqs, gamma, V}, x0.options());
+    // zero past a sequence's proposed drafts, which nothing reads (accept rules stop at the limit): finite
+    if (d == 0 && sampling) q = confidence > 0 ? torch::zeros({seqs, gamma, V}, x0.options()) : torch::empty({seqs, gamma, V}, x0.options());
     torch::Tensor race;
     if (sampling) race = torch::empty({seqs, V}, x0.options()).exponential_(1.0, gen);
     const float* lp = logits.data_ptr<float>();
-    x = torch::empty({rows, dim}, x0.options());
+    x = drafting < seqs ? torch::zeros({rows, dim}, x0.options()) : torch::empty({rows, dim}, x0.options());
     bool ended = false;
     for (int64_t r = 0; r < seqs; ++r) {
+      if (d >= limits[r]) {  // stopped: no draft d (token 0, q zero, its next input a padding one)
+        tokens.data_ptr<int64_t>()[r * gamma + d] = 0;
+        continue;
+      }
       const float* l = lp + r * per * ld;
       if (per == 2) {  // float ops in cfg_mix's order (no contraction: -ffp-contract=off)
         const float *cond = l, *null = l + ld;
