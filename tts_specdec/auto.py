@@ -47,8 +47,9 @@ HALF_LIFE = 32.0
 # draft stops: a row stops drafting after a draft its draft head gave less than DRAFT_CONFIDENCE. They cut
 # the drafts that follow an unsure one, mostly rejected; since unsure drafts end a row's run, a row may
 # draft as far as a draft that is always right would pay for. Whether they beat a fixed gamma depends on
-# more than the cost model knows (on the CPU they won at batch 1 and lost at batch 4, where ragged drafts
-# pad a compute-bound verify), so on the CPU they are one more timed arm. On torch's path on a GPU the rule
+# more than the cost model knows (on the CPU they won at batch 1; at batch 4 and 8 they lost while a stopped
+# row's later passes were computed as padding; since the kernels skip those, 0.94-1.10x of gamma 4 there,
+# width 512 and shipped), so on the CPU they are one more timed arm. On torch's path on a GPU the rule
 # needs a host copy per draft step and lost to a fixed gamma (docs/performance-log.md): not an arm there.
 DRAFT_CONFIDENCE = 0.9
 
