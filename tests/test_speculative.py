@@ -404,7 +404,7 @@ def test_trunk_runs_once_per_token_beyond_rejected_drafts(sources):
 def test_stopped_rows_run_no_layers_past_their_drafts(sources, temperature):
     """On the kernels, a row that stopped drafting early (draft stops) runs the trunk only up to its last
     draft's pass and is verified on its own drafts only: each layer runs each row's proposed drafts and
-    pending token once a cycle, while rows of one batch stop at different depths."""
+    pending token once a cycle (a padded position would count too)."""
     from tts_specdec import kernels
 
     if not kernels.available():

@@ -298,7 +298,9 @@ def decode_steps(
     null) pairs, one sequence each, their logits mixed as `sampling.cfg_mix` with that scale.
     Returns the layers' output at every position (rows, steps + 1, dim) with tail (else None), the
     distributions (seqs, steps, V) (None when greedy), the tokens (seqs, steps), with confidence each
-    sequence's proposed count (seqs,), and the next input (rows, dim)."""
+    sequence's proposed count (seqs,), and the next input (rows, dim). Past a sequence's proposed count
+    (its last draft's pass excepted) its rows run no pass: zero outputs, q and tokens 0 there (nothing
+    reads them), zero K/V at those slots."""
     if layers.start != 0:
         raise ValueError("decode steps start at layer 0")
     exits, q, tokens, limit, x = _module.decode_steps(

@@ -265,8 +265,8 @@ def _cycles(
                 layout.update({"n": drafts.shape[1] + 1, "s": drafts.shape[1], "limit": limit is not None})
                 return fused
         # verify: the layers above the exit on all gamma + 1 positions at once; a row that stopped drafting
-        # early pads the positions past its drafts, which a CPU backend may skip (on a GPU, deciding to
-        # would read the count back from the device)
+        # early pads the positions past its drafts, which the CPU kernels skip (`Backend.verify`; made on the
+        # CPU only, where they run)
         real = None
         if limit is not None and limit.device.type == "cpu":
             real = dec.per_row(torch.arange(drafts.shape[1] + 1, device=limit.device) <= limit[:, None], guide.on)

@@ -71,8 +71,10 @@ class Backend:
                real: Tensor | None = None) -> Tensor:
         """The target's pass over `layers` (the ones above the exit, or all) on x, causal by slot:
         the target's logits (rows, n, V), guidance not mixed. real (rows, n) bool or None: the positions
-        whose logits are read; the others are padding, which `run_layers` may skip."""
-        return self.dec.target_logits(self.run_layers(x, start, layers, enc, cache, real=real))
+        whose logits are read. Every position is computed here: skipping the others changes the row count
+        of the products, which only a backend whose products are row-count invariant may do (`CpuKernels`;
+        torch's float32 CPU products are not, docs/design.md)."""
+        return self.dec.target_logits(self.run_layers(x, start, layers, enc, cache))
 
     def verify_accept(
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache, drafts: Tensor,
@@ -95,7 +97,8 @@ class Backend:
         Returns the exit states of the pending input and the drafts (rows, steps + 1, dim), the draft
         distributions (seqs, steps, V) (None when greedy), the drafts (seqs, steps), `finite.NONFINITE` at
         a draft picked from logits that were not all finite, and each sequence's proposed count (None
-        without confidence)."""
+        without confidence). Past a sequence's proposed drafts (and its last draft's exit state) nothing is
+        read, so nothing there is defined: the kernels leave zeros, the step-by-step reference computes on."""
         raise NotImplementedError
 
     def beam_draft(

@@ -163,6 +163,12 @@ class CpuKernels(TorchEager):
             self._target_kernel = kernels.Head([], w)
         return self._target_kernel
 
+    def verify(self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
+               real: Tensor | None = None) -> Tensor:
+        """The target's pass, skipping the padding positions (`real` False): the kernels' products are
+        row-count invariant, so the real positions' logits are those of a pass over every position."""
+        return self.dec.target_logits(self.run_layers(x, start, layers, enc, cache, real=real))
+
     def verify_accept(
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache, drafts: Tensor,
         q: Tensor | None, limit: Tensor | None, cfg: SamplingConfig, generator: torch.Generator | None,
