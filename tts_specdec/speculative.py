@@ -264,13 +264,9 @@ def _cycles(
             if fused is not None:
                 layout.update({"n": drafts.shape[1] + 1, "s": drafts.shape[1], "limit": limit is not None})
                 return fused
-        # verify: the layers above the exit on all gamma + 1 positions at once; a row that stopped drafting
-        # early pads the positions past its drafts, which the CPU kernels skip (`Backend.verify`; made on the
-        # CPU only, where they run)
-        real = None
-        if limit is not None and limit.device.type == "cpu":
-            real = dec.per_row(torch.arange(drafts.shape[1] + 1, device=limit.device) <= limit[:, None], guide.on)
-        target_logits = guide.target(dec.backend.verify(x, start, upper, enc, cache, real=real))
+        # verify: the layers above the exit on all gamma + 1 positions at once (a row that stopped drafting
+        # early is not read past its drafts, which the CPU kernels skip: `Backend.verify`)
+        target_logits = guide.target(dec.backend.verify(x, start, upper, enc, cache, limit=limit))
         # accept: rows keep different numbers of drafts (a NONFINITE draft is rejected)
         acc = _accept(target_logits, drafts, q, cfg, dec.backend.draws(generator), limit)
         # one read-back: accepted, next token, each verified position's logit sum (in float64: NaN or

@@ -68,12 +68,12 @@ class Backend:
         return end
 
     def verify(self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
-               real: Tensor | None = None) -> Tensor:
+               limit: Tensor | None = None) -> Tensor:
         """The target's pass over `layers` (the ones above the exit, or all) on x, causal by slot:
-        the target's logits (rows, n, V), guidance not mixed. real (rows, n) bool or None: the positions
-        whose logits are read. Every position is computed here: skipping the others changes the row count
-        of the products, which only a backend whose products are row-count invariant may do (`CpuKernels`;
-        torch's float32 CPU products are not, docs/design.md)."""
+        the target's logits (rows, n, V), guidance not mixed. limit (seqs,) or None: the drafts each
+        sequence proposed; its logits past position limit are not read. Every position is computed here:
+        skipping the others changes the row count of the products, which only a backend whose products are
+        row-count invariant may do (`CpuKernels`; torch's float32 CPU products are not, docs/design.md)."""
         return self.dec.target_logits(self.run_layers(x, start, layers, enc, cache))
 
     def verify_accept(

@@ -164,10 +164,19 @@ class CpuKernels(TorchEager):
         return self._target_kernel
 
     def verify(self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
-               real: Tensor | None = None) -> Tensor:
-        """The target's pass, skipping the padding positions (`real` False): the kernels' products are
-        row-count invariant, so the real positions' logits are those of a pass over every position."""
+               limit: Tensor | None = None) -> Tensor:
+        """The target's pass, skipping the positions past each sequence's `limit` (`_verified`): the
+        kernels' products are row-count invariant, so the others' logits are those of a pass over all."""
+        real = self._verified(limit, x.shape[1], enc.guided)
         return self.dec.target_logits(self.run_layers(x, start, layers, enc, cache, real=real))
+
+    def _verified(self, limit: Tensor | None, n: int, guided: bool) -> Tensor | None:
+        """(rows, n) bool: the verify pass's positions a row reads, its pending token's and its proposed
+        drafts' (0..limit); where a row stopped drafting early the positions past them are padding, which
+        the products skip. None: every position (no limit)."""
+        if limit is None:
+            return None
+        return self.dec.per_row(torch.arange(n, device=limit.device) <= limit[:, None], guided)
 
     def verify_accept(
         self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache, drafts: Tensor,
@@ -179,9 +188,7 @@ class CpuKernels(TorchEager):
         target = self._target()
         if target is None or enc.guided or x.dtype != torch.float32 or (q is not None and q.dtype != torch.float32):
             return None
-        # a row that stopped drafting early (`limit`) verifies its proposed drafts only: the positions past
-        # them are padding, which the products skip (the accept rule never reads them)
-        real = None if limit is None else torch.arange(drafts.shape[1] + 1, device=limit.device) <= limit[:, None]
+        real = self._verified(limit, drafts.shape[1] + 1, enc.guided)
         h = self.run_layers(x, start, layers, enc, cache, real=real)
         return kernels.verify_accept(target, self._embedding, h.view(-1, h.shape[-1]), drafts, q, limit, cfg.temperature,
                                      cfg.top_k, cfg.top_p, generator)
@@ -218,7 +225,7 @@ class CpuKernels(TorchEager):
             *dec._rope, k_all, v_all, enc.keys, enc.values, enc.cross_mask, top_k=cfg.top_k, top_p=cfg.top_p,
             guidance=cond_scale if enc.guided else 0.0, confidence=confidence, eos=eos, tail=tail, enc_rows=enc.source)
         taken = out[2].shape[1] + int(tail)  # tokens through the layers, per row
-        if out[3] is not None and out[3].numel():  # early draft stops: a sequence's rows ran up to its limit (and its last draft's pass)
+        if out[3] is not None and out[3].numel():  # draft stops: a sequence's rows ran up to its last draft's pass
             evals = (x.shape[0] // out[3].numel()) * int((out[3].clamp_max(taken - 1) + 1).sum())
         else:
             evals = x.shape[0] * taken

@@ -540,9 +540,9 @@ class StaticCompiled(TorchEager):
                      attn_mask.contiguous(), *inputs)
 
     def verify(self, x: Tensor, start: int | Tensor, layers: range, enc: Encoded, cache: KVCache,
-               real: Tensor | None = None) -> Tensor:
+               limit: Tensor | None = None) -> Tensor:
         """`layers` and the target head on x (rows, n, dim) at slots start.. of each row, in one graph; every
-        position, padding (`real` False) included: the graph's shapes stay static."""
+        position, those past a sequence's `limit` included: the graph's shapes stay static."""
         rows, n = x.shape[:2]
         if isinstance(start, int):
             pos = torch.arange(start, start + n, device=x.device).expand(rows, n)

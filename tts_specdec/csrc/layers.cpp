@@ -342,9 +342,9 @@ torch::Tensor filtered_probs(const torch::Tensor& logits, double temperature, in
 // layers' outputs (rows, steps + 1, dim) (empty without tail), q (seqs, steps, V) (empty when greedy),
 // the tokens (seqs, steps), each sequence's proposed count (seqs,) (empty without confidence) and the
 // next input (rows, dim), the embedding of the last token; steps <= gamma. With confidence, a sequence's
-// rows run no pass past its last draft's (padding: zero outputs and K/V), its q and tokens there are 0. A sequence whose (mixed) logits
-// are not all finite gets token -1 (`finite.NONFINITE`) and q = NaN at that step, and token 0's
-// embedding as its next input; a run of plain steps ends after that step.
+// rows run no pass past its last draft's (padding: zero outputs and K/V), its q and tokens there are 0.
+// A sequence whose (mixed) logits are not all finite gets token -1 (`finite.NONFINITE`) and q = NaN at
+// that step, and token 0's embedding as its next input; a run of plain steps ends after that step.
 std::vector<torch::Tensor> decode_steps(const Stack& stack, const Head& head, const torch::Tensor& emb, const torch::Tensor& x0,
                                         int64_t last, const torch::Tensor& start, int64_t gamma, double temperature,
                                         int64_t top_k, double top_p, double guidance, double confidence, int64_t eos, bool tail,
