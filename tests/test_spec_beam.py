@@ -101,10 +101,10 @@ def test_wide_draft_and_gqa(layout):
 
 
 def test_float32_many_sources(layout):
-    """50 random sources in float32. On the kernels the same bits as beam search: a tree node's attention
-    sums only the keys it sees, in their order, as a beam step does (csrc/attention.cpp, `attend`). On
-    torch's path (no such promise: its softmax sums masked keys as zeros, wherever they lie) any
-    difference must be a near-tie between final hypotheses."""
+    """50 random sources in float32: the same bits as beam search on every layout. A tree node's attention
+    sums only the keys it sees, in their order, as a beam step does (the kernels' `attend` in
+    csrc/attention.cpp; on torch's path `tiles.gathered_attention`), and on torch's path every product and
+    attention runs in fixed tiles (`tiles`), whose rows keep their bits whatever shares the call."""
     from tts_specdec import kernels
 
     model = draft_model("partial", seed=3)
@@ -113,15 +113,10 @@ def test_float32_many_sources(layout):
     source = make_source(50, 8, seed=5, lengths=lengths)
     kw = dict(beam_size=4, max_length=20)
     plain, spec = dec.beam_search(source, gamma=0, **kw), dec.beam_search(source, **kw, gamma=3)
-    differ = [i for i in range(50) if not torch.equal(plain.tokens[i], spec.tokens[i])]
-    gaps = [abs(plain.scores[i] - spec.scores[i]) for i in differ]
-    print(f"float32, {layout}: {len(differ)} of 50 sources differ, score gaps {gaps}")
     if layout == "kernel" and kernels.available():
         assert dec.decoder.backend.name == "kernels"
-        assert [t.tolist() for t in spec.tokens] == [t.tolist() for t in plain.tokens]
-        assert spec.scores == plain.scores  # every score to the bit
-    assert all(g < 1e-4 for g in gaps)
-    assert max(abs(a - b) for a, b in zip(plain.scores, spec.scores)) < 1e-4
+    assert [t.tolist() for t in spec.tokens] == [t.tolist() for t in plain.tokens]
+    assert spec.scores == plain.scores  # every score to the bit
     hist = spec.stats.committed_hist
     assert sum(k * n for k, n in enumerate(hist)) >= plain.stats.steps
     assert any(hist[2:]), "the partial draft never got a step accepted"

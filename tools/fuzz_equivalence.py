@@ -24,7 +24,7 @@ cannot flip a token; every case compiles its own graphs (seconds each).
 --record-runs runs what a GPU records (runs of plain steps, runs of up to 4 speculative cycles) unrecorded.
 --dtype bfloat16 converts every model with `model.to(torch.bfloat16)` (on the kernels: bfloat16 panels).
 --native computes in the models' own dtype on torch's path, as on a GPU (TTS_SPECDEC_HALF=native; on the
-CPU a half-precision model otherwise computes in float32): bfloat16 there runs in fixed tiles
+CPU a half-precision model otherwise computes in float32), in fixed tiles as every dtype there
 (`tts_specdec.tiles`). Its check that top_k=1 sampling equals greedy decoding is skipped: bfloat16 logits
 tie exactly now and then, and top-k keeps every token tied with the k-th.
 """
@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import make_model, make_source, uncompiled_graph  # noqa: E402
-from tts_specdec import SpeculativeDecoder, tiles  # noqa: E402
+from tts_specdec import SpeculativeDecoder  # noqa: E402
+from tts_specdec.tiles import HALF  # noqa: E402
 from tts_specdec.backends import StaticCompiled  # noqa: E402
 
 
@@ -88,10 +89,9 @@ def beam_case(rng: random.Random, dec: SpeculativeDecoder, ref: SpeculativeDecod
     spec = dec.beam_search(src, beam_size=k, length_penalty=lp, max_length=ml, cond_scale=cs, gamma=gamma,
                            draft_width=width)
     what = f"beam K={k} gamma={gamma} W={width} length_penalty={lp} max_length={ml}"
-    # on the kernels a tree pass gives each node a beam step's bits: the scores too, to the last bit
-    # (torch's float32 path sums hidden keys as zeros: its scores may differ in the last bits; in half
-    # precision it gathers them, `tiles`)
-    exact_scores = dec is ref and (dec.decoder.backend.name == "kernels" or tiles.on(dec.decoder.dtype))
+    # a tree pass gives each node a beam step's bits (the kernels' attention and torch's tiles gather the
+    # keys a node sees): the scores too, to the last bit, where plain and speculative run on one path
+    exact_scores = dec is ref
     return same(plain.tokens, spec.tokens) and (not exact_scores or plain.scores == spec.scores), what
 
 
@@ -106,7 +106,7 @@ def sample_case(rng: random.Random, dec: SpeculativeDecoder, src: torch.Tensor, 
     ok = len(out.tokens) == src.shape[0] and out.stats.accepted <= out.stats.drafted and all(
         t.numel() <= ml and (t >= 0).all() and not (t == pad).any() and (eos is None or not (t == eos).any())
         for t in out.tokens)
-    if ok and top_k == 1 and not tiles.on(dec.decoder.dtype):  # one candidate left: sampling is greedy decoding
+    if ok and top_k == 1 and dec.decoder.dtype not in HALF:  # one candidate left: sampling is greedy decoding
         # (half precision: logits tie exactly now and then, and top-k keeps every token tied with the k-th)
         ok = same(dec.sample(src, temperature=0, max_length=ml, cond_scale=cs, gamma=0).tokens, out.tokens)
     return ok, what

@@ -1,16 +1,20 @@
-"""Fixed tiles for torch's half-precision ops: a token's result must not depend on how many tokens share
-the call (speculation's exactness rests on it, docs/design.md). torch's bfloat16 and float16 products and
-attention pick their blocking by the call's shape, and a half-precision rounding turns a moved last bit
-into a visible one: a verify pass over gamma + 1 tokens rounded differently from a one-token step. Here
-every product sees its tokens in calls of exactly `ROWS` rows, and attention its queries in calls of
-`ROWS` queries over keys padded (masked) to a multiple of `KEYS`; a tree pass's nodes gather the keys
-they see first (`gathered_attention`). Every call then has a shape the number of tokens does not choose.
+"""Fixed tiles for torch's ops: a token's result must not depend on how many tokens share the call
+(speculation's exactness rests on it, docs/design.md). torch's products and attention pick their kernels
+and blocking by the call's shape: a verify pass over gamma + 1 tokens then sums a token's terms in
+another order than a one-token step, and a near-tie breaks differently. Here every product sees its
+tokens in calls of exactly `ROWS` rows, and attention its queries in calls of `ROWS` queries over keys
+padded (masked) to a multiple of `KEYS`; a tree pass's nodes gather the keys they see first
+(`gathered_attention`). Every call then has a shape the number of tokens does not choose.
 On torch's CPU ops in bfloat16 (2026-11-30) products kept the invariance at every row count and attention
-broke it both ways (by the number of queries, and by an unpadded key count); the tiles were needed and
-sufficed there. Half precision computes in its own dtype on a GPU (on the CPU it widens to float32,
-`weights.compute_dtype`); what the tiles cost there is not measured: a call of n tokens makes
-ceil(n / ROWS) calls. Float32 runs untiled: the C++ kernels keep the invariance by construction, torch's
-float32 ops in every check so far."""
+broke it both ways (by the number of queries, and by an unpadded key count). In float32 (AMD EPYC Zen 4,
+torch 2.11, 2026-12-01) both broke it: a product's row took other bits in calls of 4 rows or more than in
+calls of 1-3 (at 2 threads at other counts as well), and attention's query by the number of queries and
+keys; in tiles every row and query kept its bits at every count (tests/test_tiles.py). The C++ kernels'
+products and attention keep the invariance by construction; the source encoder's attention runs here on
+every path. Float32 is tiled on the CPU only (`on`). What the tiles cost: on torch's CPU ops a step
+computes `ROWS` rows where it had one and attention reads at least 512 keys (shipped model, batch 1,
+greedy: plain decoding 0.37x and gamma 4 0.41x of untiled); on a GPU (half precision) not measured: a
+call of n tokens makes ceil(n / ROWS) calls."""
 
 from __future__ import annotations
 
@@ -22,7 +26,20 @@ from torch import Tensor
 
 ROWS = 16  # tokens per product call and queries per attention call: one GPU MMA tile; a CPU step's rows fit
 KEYS = 64  # attention's keys padded to a multiple of this (16 sufficed on the CPU; 64 is a GPU kernel block)
+# torch's own attention (`_sdpa`) in float32 and float64: keys padded to a multiple of this instead. On the
+# CPU it sums a query's keys in blocks of 512 (the flash kernel's split): with keys padded to multiples of 64,
+# 128 or 256 a query of a verify pass whose keys ran past a multiple of 512 took other bits than its
+# one-query step (8 of ~1,600 queries); with multiples of 512 none did, and whole blocks the mask hides
+# change no bit (AMD EPYC Zen 4, torch 2.11)
+KEYS_WIDE = 512
 HALF = (torch.bfloat16, torch.float16)
+
+
+def on(t: Tensor) -> bool:
+    """Whether ops on `t` run in tiles: half precision on every device, float32 and float64 on the CPU,
+    where torch's own ops were measured to break the invariance. A GPU's float32 runs untiled as before
+    (on an H100 every speculative mode matched its plain mode untiled, 20 sentences): not measured tiled."""
+    return t.dtype in HALF or t.device.type == "cpu"
 
 
 Attend = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], Tensor]
@@ -38,17 +55,12 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def on(dtype: torch.dtype) -> bool:
-    """Whether ops computing in `dtype` run in tiles."""
-    return dtype in HALF
-
-
 def rows(f: Callable[..., Tensor], *xs: Tensor, dim: int = 0) -> Tensor:
     """f over the tokens of xs (each (tokens, ...)) in calls of exactly ROWS tokens (the last padded with
-    zeros), the outputs joined along `dim` (where f puts the tokens) and the padding cut off; f(*xs) when
-    xs are not half precision."""
+    zeros), the outputs joined along `dim` (where f puts the tokens) and the padding cut off; f(*xs)
+    where they are not tiled (`on`)."""
     tokens = xs[0].shape[0]
-    if not on(xs[0].dtype) or tokens == 0:
+    if tokens == 0 or not on(xs[0]):
         return f(*xs)
     pad = -tokens % ROWS
     if pad:  # zero rows: a norm of zero gives zero, never NaN
@@ -60,18 +72,17 @@ def rows(f: Callable[..., Tensor], *xs: Tensor, dim: int = 0) -> Tensor:
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None = None, op: Attend = _sdpa) -> Tensor:
     """`F.scaled_dot_product_attention(q, keys, values, attn_mask)` for q (rows, h, n, d) and an additive
-    mask broadcastable to (rows, h, n, m), in tiles: the keys padded to a multiple of KEYS with zeros that
-    the mask hides, the queries in calls of ROWS (padding queries see every key; their rows are dropped);
-    the op itself when q is not half precision. `op(q, keys, values, mask)`: the attention to tile
-    (`F.scaled_dot_product_attention` by default); a bool mask (True: attend) is made additive."""
-    if not on(q.dtype):
-        return op(q, keys, values, attn_mask)
+    mask broadcastable to (rows, h, n, m), in tiles: the keys padded to a multiple of KEYS (torch's own op
+    in float32 and float64: KEYS_WIDE) with zeros that the mask hides, the queries in calls of ROWS
+    (padding queries see every key; their rows are dropped); the op itself where q is not tiled (`on`).
+    `op(q, keys, values, mask)`: the attention
+    to tile (`F.scaled_dot_product_attention` by default); a bool mask (True: attend) is made additive."""
     n, m = q.shape[-2], keys.shape[-2]
-    if n == 0:
+    if n == 0 or not on(q):
         return op(q, keys, values, attn_mask)
     mask = q.new_zeros(1, 1, n, m) if attn_mask is None else _additive(attn_mask, q.dtype)
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(-1, -1, n, m)
-    key_pad, q_pad = -m % KEYS, -n % ROWS
+    key_pad, q_pad = -m % (KEYS_WIDE if op is _sdpa and q.dtype not in HALF else KEYS), -n % ROWS
     if key_pad:
         keys, values = F.pad(keys, (0, 0, 0, key_pad)), F.pad(values, (0, 0, 0, key_pad))
         mask = F.pad(mask, (0, key_pad), value=float("-inf"))
@@ -88,7 +99,7 @@ def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tenso
     ancestors, its siblings' slots lie between them): each query's visible keys are gathered first, in
     slot order, so they sit where a one-token step over the same prefix has them, and the sums meet them in
     the same lanes. attn_mask: additive or bool, broadcastable to (rows, 1, n, m) (the same for every head)."""
-    if not on(q.dtype) or attn_mask is None:  # no mask: every key is seen, in slot order already
+    if not on(q) or attn_mask is None:  # no mask: every key is seen, in slot order already
         return attention(q, keys, values, attn_mask, op)
     rows_, h, n, d = q.shape
     m = keys.shape[-2]

@@ -77,13 +77,27 @@ def _packed_or(w_t: Tensor, store: torch.dtype = torch.float32) -> Tensor | Pack
     return Packed(F.pad(w_t, (0, -w_t.shape[1] % PANEL)), width=w_t.shape[1], store=store)
 
 
-# torch's products below run in `tiles` (a no-op but in half precision): a token's bits must not depend on
-# how many tokens share the call; the kernels' (Packed) keep that by construction.
+# torch's products below run in `tiles`: a token's bits must not depend on how many tokens share the
+# call; the kernels' (Packed) keep that by construction.
+
+# In tiles, torch's float32 products with 5-7 or 9-11 columns still gave a row other bits by its place
+# among the tile's rows (MKL, AMD EPYC Zen 4, torch 2.11; 1-4, 8 and 12-71 columns, 127, 130 and 1025 did
+# not): a weight of fewer columns takes zero columns up to this many (a head over a tiny vocabulary)
+_NARROW = 16
+
+
+def _mm(a: Tensor, w: Tensor) -> Tensor:
+    """a @ w, a narrow w widened with zero columns (`_NARROW`) and the product cut back (`_residual_mm`
+    likewise)."""
+    n = w.shape[1]
+    if n >= _NARROW:
+        return torch.mm(a, w)
+    return torch.mm(a, F.pad(w, (0, _NARROW - n)))[:, :n]
 
 
 def _normed_mm(x: Tensor, w: Tensor | Packed) -> Tensor:
     """_unit(x) @ w; the kernel scales the sums by the row norms instead of normalising x first."""
-    return w(x, normalize=True) if isinstance(w, Packed) else tiles.rows(lambda t: torch.mm(_unit(t), w), x)
+    return w(x, normalize=True) if isinstance(w, Packed) else tiles.rows(lambda t: _mm(_unit(t), w), x)
 
 
 def _residual(x: Tensor, a: Tensor, w: Tensor | Packed) -> Tensor:
@@ -95,7 +109,10 @@ def _residual(x: Tensor, a: Tensor, w: Tensor | Packed) -> Tensor:
 
 def _residual_mm(x: Tensor, a: Tensor, w: Tensor) -> Tensor:
     if w.dim() == 2:
-        return torch.addmm(x, a, w)
+        n = w.shape[1]
+        if n >= _NARROW:
+            return torch.addmm(x, a, w)
+        return torch.addmm(F.pad(x, (0, _NARROW - n)), a, F.pad(w, (0, _NARROW - n)))[:, :n]
     b = w.shape[0]
     out = torch.bmm(a.expand(b, -1, -1), w)  # (blocks, tokens, out / blocks)
     res = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -105,10 +122,11 @@ def _residual_mm(x: Tensor, a: Tensor, w: Tensor) -> Tensor:
 
 def _split(w_t: Tensor, blocks: int, dim: int) -> Tensor | None:
     """(in, out) -> `blocks` blocks along `dim` (1: columns, 0: rows) stacked for one bmm, or None
-    when splitting would not pay (one thread, a small matrix, not on CPU, or uneven blocks)."""
+    when splitting would not pay (one thread, a small matrix, not on CPU, or uneven blocks) or would
+    leave column blocks narrower than `_NARROW` (whose rows lose their bits' invariance)."""
     if (
         torch.get_num_threads() < 2 or w_t.device.type != "cpu" or w_t.numel() < _SPLIT_MIN_ELEMENTS
-        or w_t.shape[dim] % blocks
+        or w_t.shape[dim] % blocks or (dim == 1 and w_t.shape[1] // blocks < _NARROW)
     ):
         return None
     if dim == 1:
@@ -141,10 +159,10 @@ class _FeedForward:
         w_in, b_in = _t(ff[1].weight, ff[0]), _c(ff[1].bias)
         w_out, b_out = _t(ff[4].weight), _c(ff[4].bias)
 
-        def padded(multiple: int) -> tuple[Tensor, Tensor, Tensor]:
-            # inner (e.g. 682 = int(256 * 4 * 2 / 3)) padded with zero units: a zero gate column gives
-            # gelu(0) * h = 0 through a zero row of w_out, so the sum is unchanged
-            pad = -w_out.shape[0] % multiple
+        def padded(multiple: int, least: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+            # inner (e.g. 682 = int(256 * 4 * 2 / 3)) padded with zero units (to at least `least`): a zero
+            # gate column gives gelu(0) * h = 0 through a zero row of w_out, so the sum is unchanged
+            pad = max(-w_out.shape[0] % multiple, least - w_out.shape[0])
             w_in_p = torch.cat([F.pad(half, (0, pad)) for half in w_in.chunk(2, dim=1)], dim=1)
             b_in_p = torch.cat([F.pad(half, (0, pad)) for half in b_in.chunk(2)])
             return w_in_p, b_in_p, F.pad(w_out, (0, 0, 0, pad))
@@ -154,7 +172,7 @@ class _FeedForward:
             return cls(Packed(w_in_p, store=store or _store(ff[1].weight)), b_in_p,
                        Packed(w_out_p, store=store or _store(ff[4].weight)), b_out, 0)
         b = _FF_BLOCKS
-        w_in_p, b_in_p, w_out_p = padded(b)
+        w_in_p, b_in_p, w_out_p = padded(b, b * _NARROW)  # blocks no narrower than _NARROW
         w_in_blocks = _split(w_in_p, 2 * b, dim=1)
         if w_in_blocks is None:
             return cls(w_in, b_in, w_out, b_out, 1)

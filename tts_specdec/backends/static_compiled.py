@@ -160,13 +160,24 @@ def _addmm(b: Tensor, a: Tensor, w: Tensor) -> Tensor:
     return torch.addmm(b, a, w) if products(a.device) == "blas" else b + _mm(a, w)
 
 
+def _tiled(x: Tensor) -> bool:
+    """Whether this path runs `x`'s dtype in `tiles`: half precision only. In float32 its products as
+    reductions (a GPU: `products`) sum alike for any row count by construction, and its attention reads the
+    whole static cache; tiled, its graphs took several times as long to compile in the CPU tests."""
+    return x.dtype in tiles.HALF
+
+
 def _normed(x: Tensor, w: Tensor) -> Tensor:
     """_unit(x) @ w (`weights._normed_mm`)."""
+    if not _tiled(x):
+        return _mm(_unit(x), w)
     return _normed_mm(x, w) if products(x.device) == "blas" else tiles.rows(lambda t: _mm(_unit(t), w), x)
 
 
 def _plus(x: Tensor, a: Tensor, w: Tensor) -> Tensor:
     """x + a @ w (`weights._residual`)."""
+    if not _tiled(x):
+        return _addmm(x, a, w)
     return _residual(x, a, w) if products(x.device) == "blas" else tiles.rows(lambda t, u: _addmm(t, u, w), x, a)
 
 
@@ -175,7 +186,11 @@ def _ff_residual(w: _Layer, x: Tensor) -> Tensor:
     def ff(x: Tensor) -> Tensor:
         h, gate = _addmm(w.ff_in_b, _unit(x), w.ff_in).chunk(2, dim=-1)
         return _addmm(x + w.ff_out_b, F.gelu(gate) * h, w.ff_out)
-    return tiles.rows(ff, x)
+    return tiles.rows(ff, x) if _tiled(x) else ff(x)
+
+
+def _untiled(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, op: tiles.Attend) -> Tensor:
+    return op(q, keys, values, mask)
 
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
@@ -214,7 +229,7 @@ def _layers(
     if slots is None:
         slots = pos
     # a tree's nodes see scattered slots: in half precision each gathers its own first (`tiles`)
-    attend = tiles.attention if allowed is None else tiles.gathered_attention
+    attend = _untiled if not _tiled(x) else tiles.attention if allowed is None else tiles.gathered_attention
     if allowed is None:
         allowed = torch.arange(cap, device=x.device) <= slots[:, None, :, None]
     mask = torch.zeros(rows, 1, n, cap, dtype=x.dtype, device=x.device).masked_fill(~allowed, float("-inf"))
@@ -236,7 +251,7 @@ def _layers(
         a = attend(q, keys, values, mask, _attend)
         x = _plus(x, a.transpose(1, 2).reshape(rows * n, -1), lw.attn_out)
         q = _normed(x, lw.cross_q).view(rows, n, heads, d).transpose(1, 2)
-        a = tiles.attention(q, enc_k[i], enc_v[i], enc_mask, _attend)
+        a = (tiles.attention if _tiled(x) else _untiled)(q, enc_k[i], enc_v[i], enc_mask, _attend)
         x = _plus(x, a.transpose(1, 2).reshape(rows * n, -1), lw.cross_out)
         x = _ff_residual(lw, x)
     return x.view(rows, n, dim)

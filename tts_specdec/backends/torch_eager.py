@@ -71,7 +71,7 @@ class TorchEager(Backend):
             q_pad = x.new_zeros(rows * n, h_ * d)
         tokens = x.shape[0]
         enc_keys, enc_values = enc.dense()
-        # a tree's nodes (explicit positions) see scattered slots: in half precision each gathers its own
+        # a tree's nodes (explicit positions) see scattered slots: each gathers its own (`tiles`)
         attend = tiles.attention if positions is None else tiles.gathered_attention
         for i in layers:
             w = weights[i]
