@@ -86,13 +86,15 @@ def _packed_or(w_t: Tensor, store: torch.dtype = torch.float32) -> Tensor | Pack
 _NARROW = 16
 
 
-def _mm(a: Tensor, w: Tensor) -> Tensor:
-    """a @ w, a narrow w widened with zero columns (`_NARROW`) and the product cut back (`_residual_mm`
-    likewise)."""
+def _mm(a: Tensor, w: Tensor, add: Tensor | None = None) -> Tensor:
+    """a @ w (add + a @ w with `add`), a narrow w widened with zero columns (`_NARROW`) and the product
+    cut back."""
     n = w.shape[1]
-    if n >= _NARROW:
-        return torch.mm(a, w)
-    return torch.mm(a, F.pad(w, (0, _NARROW - n)))[:, :n]
+    if n < _NARROW:
+        w = F.pad(w, (0, _NARROW - n))
+        add = None if add is None else F.pad(add, (0, _NARROW - n))
+    out = torch.mm(a, w) if add is None else torch.addmm(add, a, w)
+    return out if n >= _NARROW else out[:, :n]
 
 
 def _normed_mm(x: Tensor, w: Tensor | Packed) -> Tensor:
@@ -109,10 +111,7 @@ def _residual(x: Tensor, a: Tensor, w: Tensor | Packed) -> Tensor:
 
 def _residual_mm(x: Tensor, a: Tensor, w: Tensor) -> Tensor:
     if w.dim() == 2:
-        n = w.shape[1]
-        if n >= _NARROW:
-            return torch.addmm(x, a, w)
-        return torch.addmm(F.pad(x, (0, _NARROW - n)), a, F.pad(w, (0, _NARROW - n)))[:, :n]
+        return _mm(a, w, add=x)
     b = w.shape[0]
     out = torch.bmm(a.expand(b, -1, -1), w)  # (blocks, tokens, out / blocks)
     res = torch.empty_like(x, memory_format=torch.contiguous_format)
