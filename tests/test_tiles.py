@@ -142,6 +142,39 @@ def test_gathered_attention_meets_scattered_keys_as_a_step_does(op, prefix, m):
     assert torch.equal(tiles.gathered_attention(q, k, v, None, op), tiles.attention(q, k, v, None, op))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_prepared_mask_gives_the_bits_of_the_raw_one(dtype, masked):
+    """torch's path pads a pass's mask once for all its layers (`prepare`) and the source's keys once for
+    the decode (`Encoded.dense(multiple)`): attention with them gives what it gives with the raw mask and
+    keys, for keys padded by the call or already padded; an untiled dtype gets the raw mask back."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, s, 16, generator=g).to(dtype) for s in (5, 70, 70))
+    mask = additive(torch.arange(70) <= 65 + torch.arange(5)[:, None], dtype) if masked else None
+    prepared = tiles.prepare(q, 5, 70, mask)
+    assert isinstance(prepared, tiles.Mask)
+    width = prepared.padded.shape[-1]
+    assert width == -(-70 // tiles.key_multiple(q)) * tiles.key_multiple(q)
+    ref = tiles.attention(q, k, v, mask)
+    assert torch.equal(tiles.attention(q, k, v, prepared), ref)
+    k_p, v_p = (F.pad(t, (0, 0, 0, width - 70)) for t in (k, v))
+    assert torch.equal(tiles.attention(q, k_p, v_p, prepared), ref)
+    if dtype == torch.float32:
+        assert tiles.prepare(q.double().to("meta"), 5, 70, mask) is mask  # a GPU's float32 is untiled: here a meta tensor
+
+
+def test_encoded_dense_pads_the_source_keys_once():
+    dec = SpeculativeDecoder(make_model(seed=4)).decoder
+    enc = dec.encode(make_source(3, 9, seed=5))
+    keys, values = enc.dense()
+    padded_keys, padded_values = enc.dense(64)
+    length = keys.shape[-2]
+    assert padded_keys.shape[-2] == -(-length // 64) * 64
+    assert torch.equal(padded_keys[..., :length, :], keys) and not padded_keys[..., length:, :].any()
+    assert torch.equal(padded_values[..., :length, :], values) and not padded_values[..., length:, :].any()
+    assert enc.dense(64)[0] is padded_keys  # made once
+
+
 def test_attention_takes_bool_masks():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, s, 16, generator=g).to(BF16) for s in (5, 70, 70))

@@ -13,7 +13,7 @@ map sequence indices to rows with `Decoder.rows` and mix the two logits with `sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -40,7 +40,7 @@ class Encoded:
     mask: Tensor | None  # (rows, 1, 1, 1 + source_len) additive (0 or -inf); None: nothing masked
     guided: bool  # rows come in (cond, null) pairs
     source: Tensor | None = None  # (rows,) int64: the entry of each row; None: row i reads entry i
-    _dense: tuple[Tensor, Tensor] | None = None  # keys and values per row, made once (torch's path)
+    _dense: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # `dense`'s, made once (torch's path)
 
     @property
     def rows(self) -> int:
@@ -57,13 +57,18 @@ class Encoded:
         rows = rows.contiguous()
         return Encoded(self.keys, self.values, mask, self.guided, rows if self.source is None else self.source[rows])
 
-    def dense(self) -> tuple[Tensor, Tensor]:
-        """Keys and values with one entry per row, (layers, rows, heads, 1 + source_len, dim_head)."""
-        if self.source is None:
-            return self.keys, self.values
-        if self._dense is None:
-            self._dense = (self.keys.index_select(1, self.source), self.values.index_select(1, self.source))
-        return self._dense
+    def dense(self, multiple: int = 1) -> tuple[Tensor, Tensor]:
+        """Keys and values with one entry per row, (layers, rows, heads, keys, dim_head): 1 + source_len
+        keys, padded with zeros to a multiple of `multiple` (what tiled attention pads, `tiles.key_multiple`)."""
+        if multiple not in self._dense:
+            keys, values = self.keys, self.values
+            if self.source is not None:
+                keys, values = keys.index_select(1, self.source), values.index_select(1, self.source)
+            pad = -keys.shape[-2] % multiple
+            if pad:
+                keys, values = F.pad(keys, (0, 0, 0, pad)), F.pad(values, (0, 0, 0, pad))
+            self._dense[multiple] = (keys, values)
+        return self._dense[multiple]
 
 
 @dataclass

@@ -481,7 +481,7 @@ class StaticCompiled(TorchEager):
         fixed, source = _split(self._inputs(enc, cache))  # the cache counts as written up to its capacity
 
         def run(x: Tensor, pos: Tensor, enc_k: Tensor, enc_v: Tensor, enc_mask: Tensor | None) -> tuple[Tensor, ...]:
-            return cycle(x, pos, replace(enc, keys=enc_k, values=enc_v, mask=enc_mask, source=None, _dense=None))
+            return cycle(x, pos, replace(enc, keys=enc_k, values=enc_v, mask=enc_mask, source=None, _dense={}))
 
         return self._recorded(key, run, (x.contiguous(), pos, *source), fixed, generator)
 

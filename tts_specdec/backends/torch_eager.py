@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import tiles
@@ -70,16 +71,25 @@ class TorchEager(Backend):
             heads_pad = x.new_zeros(h_ + 2 * kvh, rows * n, d)
             q_pad = x.new_zeros(rows * n, h_ * d)
         tokens = x.shape[0]
-        enc_keys, enc_values = enc.dense()
+        # in tiles (`tiles.on`) the tokens are padded once to whole tiles for every product of the pass
+        # (zero rows: their norms give zero), and each attention's mask and the source's keys once for
+        # every layer, instead of in every call
+        padding = -tokens % tiles.ROWS if tiles.on(x) else 0
+        if padding:
+            x = F.pad(x, (0, 0, 0, padding))
+        enc_keys, enc_values = enc.dense(tiles.key_multiple(x))
+        cross_mask = tiles.prepare(x, n, enc.keys.shape[-2], enc.mask)
         # a tree's nodes (explicit positions) see scattered slots: each gathers its own (`tiles`)
         attend = tiles.attention if positions is None else tiles.gathered_attention
+        self_mask = attn_mask if positions is not None else tiles.prepare(x, n, end, attn_mask)
         for i in layers:
             w = weights[i]
             # causal self-attention over the row's cache; q and k rotated together
             if isinstance(w.qkv, Tensor) and w.qkv.dim() == 3:  # heads first: (q + k + v heads, tokens, d)
                 heads = tiles.rows(lambda t: torch.bmm(_unit(t).expand(w.qkv.shape[0], -1, -1), w.qkv), x, dim=1)
+                heads = heads[:, :tokens]
             else:
-                heads = _normed_mm(x, w.qkv).view(tokens, -1, d).transpose(0, 1)
+                heads = _normed_mm(x, w.qkv)[:tokens].view(tokens, -1, d).transpose(0, 1)
             if keep is None:
                 heads = heads.reshape(-1, rows, n, d)
                 qk = rotate(heads[: h_ + kvh], cos, sin)
@@ -93,24 +103,25 @@ class TorchEager(Backend):
             keys, values = cache.write(i, qk[h_:].transpose(0, 1), v.transpose(0, 1), start)
             if kvh != h_:  # spear-tts repeats kv heads as '(g h)': query head j uses kv head j % kvh
                 keys, values = keys.repeat(1, h_ // kvh, 1, 1), values.repeat(1, h_ // kvh, 1, 1)
-            a = self._unpad(attend(q, keys, values, attn_mask), keep)
+            a = self._unpad(attend(q, keys, values, self_mask), keep, padding)
             x = _residual(x, a, w.attn_out_t)
             # cross-attention over the precomputed source K/V
             if isinstance(w.cross_q_t, Tensor) and w.cross_q_t.dim() == 3:  # per head: (heads, tokens, d)
-                q = tiles.rows(lambda t: torch.bmm(_unit(t).expand(h_, -1, -1), w.cross_q_t), x, dim=1)
+                q = tiles.rows(lambda t: torch.bmm(_unit(t).expand(h_, -1, -1), w.cross_q_t), x, dim=1)[:, :tokens]
                 if keep is not None:
                     q = q_pad.view(h_, rows * n, d).index_copy_(1, keep, q)
                 q = q.view(h_, rows, n, d).transpose(0, 1)
             else:
-                q = _normed_mm(x, w.cross_q_t)
+                q = _normed_mm(x, w.cross_q_t)[:tokens]
                 if keep is not None:
                     q = q_pad.index_copy_(0, keep, q)
                 q = q.view(rows, n, -1, d).transpose(1, 2)
-            a = self._unpad(tiles.attention(q, enc_keys[i], enc_values[i], enc.mask), keep)
+            a = self._unpad(tiles.attention(q, enc_keys[i], enc_values[i], cross_mask), keep, padding)
             x = _residual(x, a, w.cross_out_t)
             # feed-forward: RMSNorm, Linear, GEGLU, Linear
             x = w.ff.residual(x)
             dec.layer_evals[i] += tokens
+        x = x[:tokens]
         if keep is not None:
             x = x.new_zeros(rows * n, dim).index_copy_(0, keep, x)
         return x.view(rows, n, dim)
@@ -128,11 +139,13 @@ class TorchEager(Backend):
                 sin.expand(shape).reshape(rows * n, -1).index_select(0, keep))
 
     @staticmethod
-    def _unpad(a: Tensor, keep: Tensor | None) -> Tensor:
-        """Attention output (rows, heads, n, d) -> (tokens, heads * d), real tokens only when packed."""
+    def _unpad(a: Tensor, keep: Tensor | None, padding: int) -> Tensor:
+        """Attention output (rows, heads, n, d) -> (tokens + padding, heads * d), real tokens only when
+        packed, then `padding` zero rows (the pass's tiles)."""
         rows, _, n, _ = a.shape
         a = a.transpose(1, 2).reshape(rows * n, -1)
-        return a if keep is None else a.index_select(0, keep)
+        a = a if keep is None else a.index_select(0, keep)
+        return F.pad(a, (0, 0, 0, padding)) if padding else a
 
     def draft_phase(
         self, x: Tensor, pos: Tensor, gamma: int, cfg: SamplingConfig, generator: torch.Generator | None,
