@@ -11,11 +11,11 @@ torch 2.11, 2026-12-01) both broke it: a product's row took other bits in calls 
 calls of 1-3 (at 2 threads at other counts as well), and attention's query by the number of queries and
 keys; in tiles every row and query kept its bits at every count (tests/test_tiles.py). The C++ kernels'
 products and attention keep the invariance by construction; the source encoder's attention runs here on
-every path. Float32 is tiled on the CPU only (`on`). What the tiles cost: on torch's CPU ops a step
-computes `ROWS` rows where it had one and attention reads at least 512 keys (shipped model, batch 1,
-greedy: plain decoding about 0.5x and gamma 4 0.5-0.6x of untiled, torch's path padding a pass's tokens
-and masks once: `prepare`); on a GPU (half precision) not measured: a call of n tokens makes
-ceil(n / ROWS) calls."""
+every path. Float32 is tiled on the CPU only (`on`). Float32 attention in tiles is written out
+(`_chunked`: keys padded to a multiple of KEYS, not KEYS_WIDE). What the tiles cost: on torch's CPU ops
+a step computes `ROWS` rows where it had one (shipped model, batch 1, greedy: plain decoding and
+gamma 4 0.4-0.55x of untiled, torch's path padding a pass's tokens and masks once: `prepare`);
+on a GPU (half precision) not measured: a call of n tokens makes ceil(n / ROWS) calls."""
 
 from __future__ import annotations
 
@@ -27,8 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 ROWS = 16  # tokens per product call and queries per attention call: one GPU MMA tile; a CPU step's rows fit
-KEYS = 64  # attention's keys padded to a multiple of this (16 sufficed on the CPU; 64 is a GPU kernel block)
-# torch's own attention (`_sdpa`) in float32 and float64: keys padded to a multiple of this instead. On the
+# attention's keys padded to a multiple of this (16 sufficed on the CPU; 64 is a GPU kernel block), and the
+# chunks `_chunked` sums the values in
+KEYS = 64
+# torch's own attention (`_sdpa`, named by a caller) in float32 and float64: keys padded to a multiple of
+# this instead (float32 runs `_chunked` by default, which needs KEYS only). On the
 # CPU it sums a query's keys in blocks of 512 (the flash kernel's split): with keys padded to multiples of 64,
 # 128 or 256 a query of a verify pass whose keys ran past a multiple of 512 took other bits than its
 # one-query step (8 of ~1,600 queries); with multiples of 512 none did, and whole blocks the mask hides
@@ -49,6 +52,33 @@ Attend = Callable[[Tensor, Tensor, Tensor, "Tensor | None"], Tensor]
 
 def _sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+def _chunked(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """Softmax attention written out, for keys padded to a multiple of KEYS: the values are summed chunk
+    by chunk of KEYS keys (one batched product, then the chunks added in order), so every product has one
+    shape whatever the key count and the padding's chunks add exact zeros last. torch's own op sums a
+    float32 query's keys in blocks of 512 and needed keys padded to a multiple of 512 (`KEYS_WIDE`); this
+    one reads 64 (AMD EPYC Zen 4, torch 2.11: a source of 40 tokens and a decoder step's self-attention
+    over a short prefix read 8-12 times fewer keys; past ~512 keys it costs up to ~2x torch's op)."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores + mask
+    p = scores.softmax(dim=-1)
+    *lead, n, m = p.shape
+    chunks = m // KEYS
+    parts = torch.matmul(p.view(*lead, n, chunks, KEYS).transpose(-3, -2),
+                         values.reshape(*values.shape[:-2], chunks, KEYS, values.shape[-1]))  # (.., chunks, n, d)
+    out = parts[..., 0, :, :]
+    for c in range(1, chunks):
+        out = out + parts[..., c, :, :]
+    return out
+
+
+def default_op(q: Tensor) -> Attend:
+    """The attention `attention` runs for queries like q when the caller names none: torch's own op in half
+    precision and untiled, the chunked one (`_chunked`) for float32 and float64 in tiles (the CPU)."""
+    return _chunked if on(q) and q.dtype not in HALF else _sdpa
 
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -81,14 +111,14 @@ class Mask:
     padded: Tensor
 
 
-def key_multiple(q: Tensor, op: Attend = _sdpa) -> int:
+def key_multiple(q: Tensor, op: Attend | None = None) -> int:
     """The multiple `attention` pads keys to for queries like q (1 where q is not tiled)."""
     if not on(q):
         return 1
-    return KEYS_WIDE if op is _sdpa and q.dtype not in HALF else KEYS
+    return KEYS_WIDE if (op or default_op(q)) is _sdpa and q.dtype not in HALF else KEYS
 
 
-def prepare(q: Tensor, n: int, m: int, attn_mask: Tensor | None, op: Attend = _sdpa) -> "Tensor | Mask | None":
+def prepare(q: Tensor, n: int, m: int, attn_mask: Tensor | None, op: Attend | None = None) -> "Tensor | Mask | None":
     """What `attention` takes as the mask for `n` queries like q's (its dtype and device) over `m` keys:
     `attn_mask` (additive or bool, broadcastable to (rows, h, n, m)) padded once where q's dtype and
     device run in tiles, else `attn_mask` itself."""
@@ -104,7 +134,8 @@ def prepare(q: Tensor, n: int, m: int, attn_mask: Tensor | None, op: Attend = _s
     return Mask(mask)
 
 
-def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: "Tensor | Mask | None" = None, op: Attend = _sdpa) -> Tensor:
+def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: "Tensor | Mask | None" = None,
+              op: Attend | None = None) -> Tensor:
     """`F.scaled_dot_product_attention(q, keys, values, attn_mask)` for q (rows, h, n, d) and an additive
     mask broadcastable to (rows, h, n, m), in tiles: the keys padded to a multiple of KEYS (torch's own op
     in float32 and float64: KEYS_WIDE) with zeros that the mask hides, the queries in calls of ROWS
@@ -113,6 +144,7 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: "Tensor | Mask
     bool mask (True: attend) is made additive. A `Mask` from `prepare` is taken as it is, its keys padded
     to its width if they are not already."""
     n, m = q.shape[-2], keys.shape[-2]
+    op = op or default_op(q)
     if n == 0 or not on(q):
         return op(q, keys, values, attn_mask)
     mask = attn_mask.padded if isinstance(attn_mask, Mask) else prepare(q, n, m, attn_mask, op).padded
@@ -126,7 +158,7 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: "Tensor | Mask
     return torch.cat(out, dim=2)[:, :, :n] if len(out) > 1 or q_pad else out[0]
 
 
-def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None, op: Attend = _sdpa) -> Tensor:
+def gathered_attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: Tensor | None, op: Attend | None = None) -> Tensor:
     """`attention` where queries see scattered keys (a tree pass: a node sees its prefix and its
     ancestors, its siblings' slots lie between them): each query's visible keys are gathered first, in
     slot order, so they sit where a one-token step over the same prefix has them, and the sums meet them in
