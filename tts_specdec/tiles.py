@@ -137,11 +137,11 @@ def prepare(q: Tensor, n: int, m: int, attn_mask: Tensor | None, op: Attend | No
 def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: "Tensor | Mask | None" = None,
               op: Attend | None = None) -> Tensor:
     """`F.scaled_dot_product_attention(q, keys, values, attn_mask)` for q (rows, h, n, d) and an additive
-    mask broadcastable to (rows, h, n, m), in tiles: the keys padded to a multiple of KEYS (torch's own op
-    in float32 and float64: KEYS_WIDE) with zeros that the mask hides, the queries in calls of ROWS
-    (padding queries see every key; their rows are dropped); the op itself where q is not tiled (`on`).
-    `op(q, keys, values, mask)`: the attention to tile (`F.scaled_dot_product_attention` by default); a
-    bool mask (True: attend) is made additive. A `Mask` from `prepare` is taken as it is, its keys padded
+    mask broadcastable to (rows, h, n, m), in tiles: the keys padded to a multiple of `key_multiple` (KEYS;
+    torch's own op named in float32 and float64: KEYS_WIDE) with zeros that the mask hides, the queries in
+    calls of ROWS (padding queries see every key; their rows are dropped); the op itself where q is not
+    tiled (`on`). `op(q, keys, values, mask)`: the attention to tile (default: `default_op`); a bool mask
+    (True: attend) is made additive. A `Mask` from `prepare` is taken as it is, its keys padded
     to its width if they are not already."""
     n, m = q.shape[-2], keys.shape[-2]
     op = op or default_op(q)
