@@ -12,7 +12,7 @@ calls of 1-3 (at 2 threads at other counts as well), and attention's query by th
 keys; in tiles every row and query kept its bits at every count (tests/test_tiles.py). The C++ kernels'
 products and attention keep the invariance by construction; the source encoder's attention runs here on
 every path. Float32 is tiled on the CPU only (`on`). Float32 attention in tiles is written out
-(`_chunked`: keys padded to a multiple of KEYS, not KEYS_WIDE). What the tiles cost: on torch's CPU ops
+(`_chunked`: keys padded to a multiple of KEYS, where torch's own op needed 512). What the tiles cost: on torch's CPU ops
 a step computes `ROWS` rows where it had one (shipped model, batch 1, greedy: plain decoding and
 gamma 4 0.4-0.55x of untiled, torch's path padding a pass's tokens and masks once: `prepare`);
 on a GPU (half precision) not measured: a call of n tokens makes ceil(n / ROWS) calls."""
@@ -30,13 +30,6 @@ ROWS = 16  # tokens per product call and queries per attention call: one GPU MMA
 # attention's keys padded to a multiple of this (16 sufficed on the CPU; 64 is a GPU kernel block), and the
 # chunks `_chunked` sums the values in
 KEYS = 64
-# torch's own attention (`_sdpa`, named by a caller) in float32 and float64: keys padded to a multiple of
-# this instead (float32 runs `_chunked` by default, which needs KEYS only). On the
-# CPU it sums a query's keys in blocks of 512 (the flash kernel's split): with keys padded to multiples of 64,
-# 128 or 256 a query of a verify pass whose keys ran past a multiple of 512 took other bits than its
-# one-query step (8 of ~1,600 queries); with multiples of 512 none did, and whole blocks the mask hides
-# change no bit (AMD EPYC Zen 4, torch 2.11)
-KEYS_WIDE = 512
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -58,8 +51,9 @@ def _chunked(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Te
     """Softmax attention written out, for keys padded to a multiple of KEYS: the values are summed chunk
     by chunk of KEYS keys (one batched product, then the chunks added in order), so every product has one
     shape whatever the key count and the padding's chunks add exact zeros last. torch's own op sums a
-    float32 query's keys in blocks of 512 and needed keys padded to a multiple of 512 (`KEYS_WIDE`); this
-    one reads 64 (AMD EPYC Zen 4, torch 2.11: a source of 40 tokens and a decoder step's self-attention
+    float32 query's keys in blocks of 512 (the CPU flash kernel's split): with keys padded to multiples of
+    64, 128 or 256 a query of a verify pass whose keys ran past 512 took other bits than its one-query
+    step (8 of ~1,600 queries), so it needed keys padded to a multiple of 512; this one reads 64 (AMD EPYC Zen 4, torch 2.11: a source of 40 tokens and a decoder step's self-attention
     over a short prefix read 8-12 times fewer keys; past ~512 keys it costs up to ~2x torch's op)."""
     scores = torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
     if mask is not None:
@@ -111,14 +105,12 @@ class Mask:
     padded: Tensor
 
 
-def key_multiple(q: Tensor, op: Attend | None = None) -> int:
+def key_multiple(q: Tensor) -> int:
     """The multiple `attention` pads keys to for queries like q (1 where q is not tiled)."""
-    if not on(q):
-        return 1
-    return KEYS_WIDE if (op or default_op(q)) is _sdpa and q.dtype not in HALF else KEYS
+    return KEYS if on(q) else 1
 
 
-def prepare(q: Tensor, n: int, m: int, attn_mask: Tensor | None, op: Attend | None = None) -> "Tensor | Mask | None":
+def prepare(q: Tensor, n: int, m: int, attn_mask: Tensor | None) -> "Tensor | Mask | None":
     """What `attention` takes as the mask for `n` queries like q's (its dtype and device) over `m` keys:
     `attn_mask` (additive or bool, broadcastable to (rows, h, n, m)) padded once where q's dtype and
     device run in tiles, else `attn_mask` itself."""
@@ -126,7 +118,7 @@ def prepare(q: Tensor, n: int, m: int, attn_mask: Tensor | None, op: Attend | No
         return attn_mask
     mask = q.new_zeros(1, 1, n, m) if attn_mask is None else _additive(attn_mask, q.dtype)
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(-1, -1, n, m)
-    key_pad, q_pad = -m % key_multiple(q, op), -n % ROWS
+    key_pad, q_pad = -m % key_multiple(q), -n % ROWS
     if key_pad:
         mask = F.pad(mask, (0, key_pad), value=float("-inf"))
     if q_pad:  # padding queries see every key; their rows are dropped
@@ -137,17 +129,17 @@ def prepare(q: Tensor, n: int, m: int, attn_mask: Tensor | None, op: Attend | No
 def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: "Tensor | Mask | None" = None,
               op: Attend | None = None) -> Tensor:
     """`F.scaled_dot_product_attention(q, keys, values, attn_mask)` for q (rows, h, n, d) and an additive
-    mask broadcastable to (rows, h, n, m), in tiles: the keys padded to a multiple of `key_multiple` (KEYS;
-    torch's own op named in float32 and float64: KEYS_WIDE) with zeros that the mask hides, the queries in
-    calls of ROWS (padding queries see every key; their rows are dropped); the op itself where q is not
-    tiled (`on`). `op(q, keys, values, mask)`: the attention to tile (default: `default_op`); a bool mask
-    (True: attend) is made additive. A `Mask` from `prepare` is taken as it is, its keys padded
+    mask broadcastable to (rows, h, n, m), in tiles: the keys padded to a multiple of KEYS with zeros that
+    the mask hides, the queries in calls of ROWS (padding queries see every key; their rows are dropped);
+    the op itself where q is not tiled (`on`). `op(q, keys, values, mask)`: the attention to tile
+    (default: `default_op`), which must sum a query's keys in an order their count does not choose
+    (torch's own op does not in float32: `_chunked`); a bool mask (True: attend) is made additive. A `Mask` from `prepare` is taken as it is, its keys padded
     to its width if they are not already."""
     n, m = q.shape[-2], keys.shape[-2]
     op = op or default_op(q)
     if n == 0 or not on(q):
         return op(q, keys, values, attn_mask)
-    mask = attn_mask.padded if isinstance(attn_mask, Mask) else prepare(q, n, m, attn_mask, op).padded
+    mask = attn_mask.padded if isinstance(attn_mask, Mask) else prepare(q, n, m, attn_mask).padded
     key_pad, q_pad = mask.shape[-1] - m, -n % ROWS
     if key_pad:
         keys, values = F.pad(keys, (0, 0, 0, key_pad)), F.pad(values, (0, 0, 0, key_pad))
