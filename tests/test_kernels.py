@@ -405,6 +405,48 @@ def test_self_attention_masked_keys_give_the_bits_of_the_visible_ones(seed):
     assert torch.equal(none, torch.zeros_like(none))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("d, keys", [(16, 600), (64, 300), (128, 150), (24, 70)])
+def test_attention_queries_together_give_the_bits_of_each_alone(d, keys, threads):
+    """A verify pass's queries (several per row, causal by slot) and cross attention's share each key's
+    K and V rows, block by block over the keys; each query still gets the bits of a call holding it alone
+    (a plain step), past several blocks, with rows of other lengths, a padding query, a masked source."""
+    _needs_kernel()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(d + keys)
+        rows, n, h, kvh, cap = 2, 11, 2, 2, keys + 16
+        heads = torch.randn(rows * n, (h + 2 * kvh) * d, generator=g)
+        cos, sin = torch.randn(cap, d, generator=g), torch.randn(cap, d, generator=g)
+        k_cache, v_cache = torch.randn(rows, kvh, cap, d, generator=g), torch.randn(rows, kvh, cap, d, generator=g)
+        slots = torch.stack([torch.arange(keys - n, keys), torch.arange(keys // 3, keys // 3 + n)])
+        together = kernels.self_attention(heads, cos, sin, slots, slots, k_cache, v_cache, None, keys, h, kvh)
+        for r in range(rows):
+            for i in range(n):
+                tok = r * n + i
+                one = kernels.self_attention(heads[tok : tok + 1], cos, sin, slots[r : r + 1, i : i + 1],
+                                             slots[r : r + 1, i : i + 1], k_cache[r : r + 1].clone(),
+                                             v_cache[r : r + 1].clone(), None, int(slots[r, i]) + 1, h, kvh)
+                assert torch.equal(together[tok], one[0]), (r, i)
+        S = keys // 4 + 3
+        q = torch.randn(rows * n, h * d, generator=g)
+        src_k, src_v = torch.randn(rows, h, S, d, generator=g), torch.randn(rows, h, S, d, generator=g)
+        mask = torch.where(torch.rand(rows, S, generator=g) < 0.3, float("-inf"), 0.25)
+        mask[1] = float("-inf")  # a row that sees nothing: zeros
+        for m in (None, mask):
+            both = kernels.cross_attention(q, src_k, src_v, m)
+            for r in range(rows):
+                for i in range(n):
+                    tok = r * n + i
+                    alone = kernels.cross_attention(q[tok : tok + 1], src_k[r : r + 1], src_v[r : r + 1],
+                                                    None if m is None else m[r : r + 1])
+                    assert torch.equal(both[tok], alone[0]), (r, i, m is None)
+        assert torch.equal(both[n:], torch.zeros_like(both[n:]))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cross_attention_matches_reference():
     _needs_kernel()
     g = torch.Generator().manual_seed(1)
