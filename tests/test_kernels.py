@@ -408,9 +408,10 @@ def test_self_attention_masked_keys_give_the_bits_of_the_visible_ones(seed):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("d, keys", [(16, 600), (64, 300), (128, 150), (24, 70)])
 def test_attention_queries_together_give_the_bits_of_each_alone(d, keys, threads):
-    """A verify pass's queries (several per row, causal by slot) and cross attention's share each key's
-    K and V rows, block by block over the keys; each query still gets the bits of a call holding it alone
-    (a plain step), past several blocks, with rows of other lengths, a padding query, a masked source."""
+    """A verify pass's queries (several per row, causal by slot) and cross attention's each get the bits
+    of a call holding that query alone (a plain step), over hundreds of keys, with rows at other lengths,
+    a masked source and a source row that sees nothing: what any kernel that shares a key's K and V rows
+    among a row's queries must keep."""
     _needs_kernel()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

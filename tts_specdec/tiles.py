@@ -53,8 +53,9 @@ def _chunked(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Te
     shape whatever the key count and the padding's chunks add exact zeros last. torch's own op sums a
     float32 query's keys in blocks of 512 (the CPU flash kernel's split): with keys padded to multiples of
     64, 128 or 256 a query of a verify pass whose keys ran past 512 took other bits than its one-query
-    step (8 of ~1,600 queries), so it needed keys padded to a multiple of 512; this one reads 64 (AMD EPYC Zen 4, torch 2.11: a source of 40 tokens and a decoder step's self-attention
-    over a short prefix read 8-12 times fewer keys; past ~512 keys it costs up to ~2x torch's op)."""
+    step (8 of ~1,600 queries), so it needed keys padded to a multiple of 512; this one reads 64 (AMD
+    EPYC Zen 4, torch 2.11: a source of 40 tokens and a decoder step's self-attention over a short
+    prefix read 8-12 times fewer keys; past ~512 keys it costs up to ~2x torch's op)."""
     scores = torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
     if mask is not None:
         scores = scores + mask
@@ -133,8 +134,8 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, attn_mask: "Tensor | Mask
     the mask hides, the queries in calls of ROWS (padding queries see every key; their rows are dropped);
     the op itself where q is not tiled (`on`). `op(q, keys, values, mask)`: the attention to tile
     (default: `default_op`), which must sum a query's keys in an order their count does not choose
-    (torch's own op does not in float32: `_chunked`); a bool mask (True: attend) is made additive. A `Mask` from `prepare` is taken as it is, its keys padded
-    to its width if they are not already."""
+    (torch's own op does not in float32: `_chunked`); a bool mask (True: attend) is made additive. A
+    `Mask` from `prepare` is taken as it is, its keys padded to its width if they are not already."""
     n, m = q.shape[-2], keys.shape[-2]
     op = op or default_op(q)
     if n == 0 or not on(q):
